@@ -1,0 +1,155 @@
+"""Precision modes: one table of names, the aliases Lightning users already know, and capability checks.
+
+>>> from lightning_mp.modes import parse_precision, resolve_mode
+>>> parse_precision("bf16-mixed")
+'bf16'
+>>> resolve_mode("fp16", "cpu").needs_scaler
+True
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PrecisionMode:
+    """What one precision mode means for weights, compute and loss scaling.
+
+    Example::
+
+        mode = resolve_mode("bf16", "cuda")
+        mode.autocast_dtype  # torch.bfloat16
+    """
+
+    name: str
+    #: the Lightning precision string reported by ``Trainer.precision``
+    lightning_precision: str
+    #: dtype for ``torch.autocast``; ``None`` runs without autocast
+    autocast_dtype: Optional[torch.dtype]
+    #: whether gradients need a loss scale to stay representable
+    needs_scaler: bool
+    #: TF32 setting the mode implies when the plugin's ``tf32`` is left unset; ``None`` leaves it alone
+    tf32: Optional[bool]
+    description: str
+
+
+# Modes that this release runs, in the order of the README's table.
+MODES: dict[str, PrecisionMode] = {
+    m.name: m
+    for m in (
+        PrecisionMode("fp32", "32-true", None, False, False, "fp32 weights and compute, TF32 off"),
+        PrecisionMode("tf32", "32-true", None, False, True, "fp32 weights, TF32 matmul/cuDNN"),
+        PrecisionMode("bf16", "bf16-mixed", torch.bfloat16, False, None, "fp32 weights, bf16 autocast"),
+        PrecisionMode("fp16", "16-mixed", torch.float16, True, None, "fp32 weights, fp16 autocast, loss scaling"),
+    )
+}
+
+#: names the parser knows whose support lands in a later release, with what to use meanwhile
+PLANNED: dict[str, str] = {
+    "bf16-true": "bf16",
+    "fp16-true": "fp16",
+    "fp8": "bf16",
+}
+
+ALIASES: dict[str, str] = {
+    "32-true": "fp32",
+    "32": "fp32",
+    "16-mixed": "fp16",
+    "16": "fp16",
+    "bf16-mixed": "bf16",
+    "16-true": "fp16-true",
+    "transformer-engine": "fp8",
+}
+
+AUTO = "auto"
+
+
+def accepted_names() -> list[str]:
+    """Every string ``parse_precision`` accepts, canonical names first."""
+    return [*MODES, *PLANNED, AUTO, *ALIASES]
+
+
+def parse_precision(value: object) -> str:
+    """Map a user's precision string (a mode name or a Lightning alias) to a canonical mode name.
+
+    Raises:
+        ValueError: naming the value and every accepted name.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in MODES or key in PLANNED or key == AUTO:
+            return key
+        if key in ALIASES:
+            return ALIASES[key]
+    raise ValueError(
+        f"Unknown precision {value!r}. Accepted values: {', '.join(repr(n) for n in accepted_names())}."
+    )
+
+
+def bf16_supported(device_type: str) -> bool:
+    """Whether bf16 autocast runs natively on this kind of device (CPU autocast always supports it)."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return device_type == "cpu"
+
+
+def _auto_choice(device_type: str) -> tuple[str, str]:
+    if device_type == "cuda":
+        if bf16_supported("cuda"):
+            major, minor = torch.cuda.get_device_capability()
+            return "bf16", f"the GPU (compute capability {major}.{minor}) supports bf16; fp8 is not available yet"
+        return "fp16", "the GPU does not support bf16, so fp16 with dynamic loss scaling"
+    if device_type == "cpu":
+        return "bf16", "bf16 autocast is the fastest safe mode on the CPU"
+    return "fp32", f"no mixed-precision mode is known to work on device type {device_type!r}"
+
+
+def resolve_mode(name: str, device_type: str) -> PrecisionMode:
+    """Turn a canonical name (or ``"auto"``) into the mode to run on ``device_type``.
+
+    Raises:
+        ValueError: when the hardware cannot run the mode, saying why and what to use instead.
+        NotImplementedError: for a known mode that this release does not run yet.
+    """
+    name = parse_precision(name)
+    if name == AUTO:
+        chosen, reason = _auto_choice(device_type)
+        log.info("MPPlugin(precision='auto') chose %r: %s.", chosen, reason)
+        return MODES[chosen]
+    if name in PLANNED:
+        raise NotImplementedError(
+            f"precision={name!r} is a known mode but this release of lightning_mp does not run it yet;"
+            f" use precision={PLANNED[name]!r} meanwhile."
+        )
+    mode = MODES[name]
+    if mode.autocast_dtype is torch.bfloat16 and not bf16_supported(device_type):
+        what = "this GPU" if device_type == "cuda" else f"device type {device_type!r}"
+        raise ValueError(
+            f"precision='bf16' needs hardware bf16 support, which {what} lacks (it needs compute capability 8.0+,"
+            " e.g. A100/H100). Use precision='fp16' (with loss scaling) or 'fp32' instead."
+        )
+    if mode.autocast_dtype is not None and device_type not in ("cuda", "cpu"):
+        raise ValueError(
+            f"precision={name!r} needs autocast on 'cuda' or 'cpu', but the run is on {device_type!r}."
+            " Use precision='fp32' on this device."
+        )
+    return mode
+
+
+def provisional_lightning_precision(name: str) -> str:
+    """The Lightning string to report before the device is known (``auto`` is settled at setup)."""
+    if name == AUTO:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        return MODES[_auto_choice(device_type)[0]].lightning_precision
+    if name in MODES:
+        return MODES[name].lightning_precision
+    return "32-true"

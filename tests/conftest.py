@@ -1,0 +1,192 @@
+"""Tiny LightningModules and helpers shared by the CPU tests."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Optional
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def make_data(n: int = 64, features: int = 16, seed: int = 0) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, features, generator=g)
+    w = torch.randn(features, 1, generator=g)
+    y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class TinyRegressor(LightningModule):
+    """A two-layer MLP on a fixed regression set, with hooks to poison chosen batches.
+
+    Args:
+        poison_loss: batch indices (counted over the whole run) whose loss is multiplied by ``poison_value``.
+        poison_grad: batch indices whose first weight gradient gets one ``poison_value`` element.
+        poison_activation: batch indices whose hidden activation gets one ``poison_value`` element.
+    """
+
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        lr: float = 0.05,
+        scheduler: bool = False,
+        poison_loss: tuple[int, ...] = (),
+        poison_grad: tuple[int, ...] = (),
+        poison_activation: tuple[int, ...] = (),
+        poison_value: float = math.inf,
+        manual: bool = False,
+        manual_clip: Optional[float] = None,
+        batch_size: int = 8,
+        n: int = 64,
+    ) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(16, 32)
+        self.net2 = nn.Linear(32, 1)
+        self.optimizer_name = optimizer
+        self.lr = lr
+        self.use_scheduler = scheduler
+        self.poison_loss = set(poison_loss)
+        self.poison_grad = set(poison_grad)
+        self.poison_activation = set(poison_activation)
+        self.poison_value = poison_value
+        self.automatic_optimization = not manual
+        self.manual_clip = manual_clip
+        self.batch_size = batch_size
+        self.n = n
+        self.batches_seen = 0
+        self.losses: list[float] = []
+        self.seen_dtypes: list[torch.dtype] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.net1(x))
+        self.seen_dtypes.append(h.dtype)
+        if self.batches_seen in self.poison_activation and self.training:
+            h = h.clone()
+            h[0, 0] = self.poison_value
+        return self.net2(h)
+
+    def _loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x).float(), y)
+        if self.batches_seen in self.poison_loss:
+            loss = loss * self.poison_value
+        return loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.losses.append(float(loss.detach()))
+        if self.automatic_optimization:
+            self.batches_seen += 1
+            return loss
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(loss)
+        self._poison_grads()
+        if self.manual_clip is not None:
+            self.clip_gradients(opt, gradient_clip_val=self.manual_clip, gradient_clip_algorithm="norm")
+        opt.step()
+        self.batches_seen += 1
+        return None
+
+    def on_after_backward(self) -> None:
+        if self.automatic_optimization:
+            # batches_seen already counts this batch
+            self._poison_grads(self.batches_seen - 1)
+
+    def _poison_grads(self, index: Optional[int] = None) -> None:
+        index = self.batches_seen if index is None else index
+        if index in self.poison_grad and self.net1.weight.grad is not None:
+            self.net1.weight.grad[0, 0] = self.poison_value
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(self.parameters(), lr=self.lr * 0.2)
+        elif self.optimizer_name == "adamw_fused":
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr * 0.2, fused=True)
+        elif self.optimizer_name == "adamw_foreach":
+            opt = torch.optim.AdamW(self.parameters(), lr=self.lr * 0.2, foreach=True)
+        else:
+            raise ValueError(self.optimizer_name)
+        if not self.use_scheduler:
+            return opt
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return DataLoader(make_data(self.n), batch_size=self.batch_size, shuffle=False)
+
+    def val_dataloader(self):
+        return DataLoader(make_data(16, seed=1), batch_size=8)
+
+
+class StepRecorder(Callback):
+    """Snapshots parameters, optimizer state and LR before and after every optimizer step."""
+
+    def __init__(self) -> None:
+        self.before: list[dict] = []
+        self.after: list[dict] = []
+
+    @staticmethod
+    def snapshot(trainer: Trainer, module: LightningModule) -> dict:
+        opt = trainer.optimizers[0]
+        return {
+            "params": {k: v.detach().clone() for k, v in module.named_parameters()},
+            "opt_state": copy.deepcopy(opt.state_dict()["state"]),
+            "lr": opt.param_groups[0]["lr"],
+        }
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.before.append(self.snapshot(trainer, pl_module))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.after.append(self.snapshot(trainer, pl_module))
+
+
+def assert_state_equal(a: dict, b: dict) -> None:
+    for name in a["params"]:
+        assert torch.equal(a["params"][name], b["params"][name]), f"parameter {name} changed"
+    assert_nested_equal(a["opt_state"], b["opt_state"])
+    assert a["lr"] == b["lr"]
+
+
+def assert_nested_equal(a, b) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_nested_equal(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+def make_trainer(plugin=None, max_steps: int = 8, callbacks=(), **kwargs) -> Trainer:
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+    )
+    defaults.update(kwargs)
+    return Trainer(plugins=[plugin] if plugin is not None else None, callbacks=list(callbacks), **defaults)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    seed_everything(0, workers=True)
+    yield
