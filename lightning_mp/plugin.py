@@ -193,8 +193,8 @@ class MPPlugin(MixedPrecision):
         changed = sorted(k for k, v in self._scaler_kwargs.items() if v != _SCALER_DEFAULTS[k])
         if changed and not mode.needs_scaler:
             rank_zero_warn(
-                f"MPPlugin: {', '.join(changed)} only affect loss scaling, which precision={mode.name!r} does not use;"
-                " they take effect with precision='fp16'."
+                f"MPPlugin: {', '.join(changed)} set, but precision={mode.name!r} does not scale the loss;"
+                " loss-scaling arguments take effect with precision='fp16'."
             )
 
     @property

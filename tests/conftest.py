@@ -25,9 +25,11 @@ class TinyRegressor(LightningModule):
     """A two-layer MLP on a fixed regression set, with hooks to poison chosen batches.
 
     Args:
-        poison_loss: batch indices (counted over the whole run) whose loss is multiplied by ``poison_value``.
+        poison_loss: batch indices (Lightning's ``total_batch_idx``: counted over the whole run, restored on
+            resume) whose loss is multiplied by ``poison_value``.
         poison_grad: batch indices whose first weight gradient gets one ``poison_value`` element.
         poison_activation: batch indices whose hidden activation gets one ``poison_value`` element.
+        batches_by_index: take each training batch by the global batch index instead of the DataLoader's.
     """
 
     def __init__(
@@ -43,6 +45,7 @@ class TinyRegressor(LightningModule):
         manual_clip: Optional[float] = None,
         batch_size: int = 8,
         n: int = 64,
+        batches_by_index: bool = False,
     ) -> None:
         super().__init__()
         self.net1 = nn.Linear(16, 32)
@@ -58,14 +61,19 @@ class TinyRegressor(LightningModule):
         self.manual_clip = manual_clip
         self.batch_size = batch_size
         self.n = n
+        self.batches_by_index = batches_by_index
         self.batches_seen = 0
         self.losses: list[float] = []
         self.seen_dtypes: list[torch.dtype] = []
 
+    @property
+    def batch_index(self) -> int:
+        return self.trainer.fit_loop.epoch_loop.total_batch_idx
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.net1(x))
         self.seen_dtypes.append(h.dtype)
-        if self.batches_seen in self.poison_activation and self.training:
+        if self.training and self.batch_index in self.poison_activation:
             h = h.clone()
             h[0, 0] = self.poison_value
         return self.net2(h)
@@ -73,11 +81,18 @@ class TinyRegressor(LightningModule):
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.mse_loss(self(x).float(), y)
-        if self.batches_seen in self.poison_loss:
+        if self.training and self.batch_index in self.poison_loss:
             loss = loss * self.poison_value
         return loss
 
     def training_step(self, batch, batch_idx):
+        if self.batches_by_index:
+            # Lightning restarts a plain DataLoader on resume; taking the batch by the restored global batch
+            # index makes an interrupted run see exactly the batches of an uninterrupted one
+            x, y = make_data(self.n).tensors
+            per_epoch = self.n // self.batch_size
+            start = (self.batch_index % per_epoch) * self.batch_size
+            batch = (x[start : start + self.batch_size], y[start : start + self.batch_size])
         loss = self._loss(batch)
         self.losses.append(float(loss.detach()))
         if self.automatic_optimization:
@@ -95,12 +110,10 @@ class TinyRegressor(LightningModule):
 
     def on_after_backward(self) -> None:
         if self.automatic_optimization:
-            # batches_seen already counts this batch
-            self._poison_grads(self.batches_seen - 1)
+            self._poison_grads()
 
-    def _poison_grads(self, index: Optional[int] = None) -> None:
-        index = self.batches_seen if index is None else index
-        if index in self.poison_grad and self.net1.weight.grad is not None:
+    def _poison_grads(self) -> None:
+        if self.batch_index in self.poison_grad and self.net1.weight.grad is not None:
             self.net1.weight.grad[0, 0] = self.poison_value
 
     def validation_step(self, batch, batch_idx):

@@ -1,0 +1,74 @@
+import pytest
+import torch
+
+from lightning_mp import MPPlugin, parse_precision, resolve_mode
+from lightning_mp.modes import ALIASES, MODES, accepted_names
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("fp32", "fp32"),
+        ("32-true", "fp32"),
+        ("32", "fp32"),
+        (32, "fp32"),
+        ("tf32", "tf32"),
+        ("bf16", "bf16"),
+        ("bf16-mixed", "bf16"),
+        ("16-mixed", "fp16"),
+        ("16", "fp16"),
+        (16, "fp16"),
+        ("FP16", "fp16"),
+        ("auto", "auto"),
+        ("bf16-true", "bf16-true"),
+        ("16-true", "fp16-true"),
+        ("transformer-engine", "fp8"),
+    ],
+)
+def test_parse_names_and_lightning_aliases(value, expected):
+    assert parse_precision(value) == expected
+
+
+@pytest.mark.parametrize("bad", ["fp64", "bfloat16", "", "16-mix", None, 3.5, True])
+def test_bad_string_names_value_and_every_accepted_name(bad):
+    with pytest.raises(ValueError) as err:
+        parse_precision(bad)
+    message = str(err.value)
+    assert repr(bad) in message
+    for name in accepted_names():
+        assert repr(name) in message
+
+
+def test_plugin_rejects_bad_precision_at_construction():
+    with pytest.raises(ValueError, match="Unknown precision 'fp64'.*'bf16'.*'16-mixed'"):
+        MPPlugin("fp64")
+
+
+@pytest.mark.parametrize("name", ["bf16-true", "fp16-true", "fp8"])
+def test_planned_modes_fail_clearly(name):
+    with pytest.raises(NotImplementedError, match=f"precision='{name}'.*use precision="):
+        MPPlugin(name)
+
+
+def test_mode_table():
+    assert MODES["fp16"].needs_scaler and not MODES["bf16"].needs_scaler
+    assert MODES["bf16"].autocast_dtype is torch.bfloat16
+    assert MODES["fp16"].autocast_dtype is torch.float16
+    assert MODES["fp32"].autocast_dtype is None and MODES["fp32"].tf32 is False
+    assert MODES["tf32"].tf32 is True
+    assert {m.lightning_precision for m in MODES.values()} == {"32-true", "bf16-mixed", "16-mixed"}
+    assert set(ALIASES.values()) <= set(accepted_names())
+
+
+def test_auto_on_cpu_is_bf16():
+    assert resolve_mode("auto", "cpu").name == "bf16"
+
+
+def test_unsupported_hardware_says_why_and_what_instead(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    with pytest.raises(ValueError, match="bf16.*compute capability 8.0.*Use precision='fp16'"):
+        resolve_mode("bf16", "cuda")
+    assert resolve_mode("auto", "cuda").name == "fp16"
+    with pytest.raises(ValueError, match="'mps'.*precision='fp32'"):
+        resolve_mode("fp16", "mps")
