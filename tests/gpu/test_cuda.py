@@ -375,3 +375,23 @@ def test_fp16_resume_matches_uninterrupted(tmp_path):
     assert plugin_resumed.stats.skipped_steps == 1
     assert plugin_resumed.stats.steps == 12
     assert plugin_resumed.stats.loss_scale == 512.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_check_only_scaler_finds_every_nonfinite_value_on_cuda(dtype, bad):
+    """bf16/fp32 steps rely on the read-only check (torch._foreach_norm with ord=inf) catching NaN and inf."""
+    from lightning_mp import DynamicLossScaler
+
+    params = [torch.nn.Parameter(torch.zeros(n, device="cuda", dtype=dtype)) for n in (7, 4096 * 33, 1_000_003)]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for target, index in [(0, 0), (1, 4096 * 33 - 1), (2, 500_000), (None, None)]:
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e3
+        if target is not None:
+            params[target].grad.view(-1)[index] = bad
+        scaler = DynamicLossScaler("cuda", scaling=False)
+        scaler.ensure_initialized(torch.device("cuda"))
+        scaler.unscale_(opt)
+        found = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+        assert found == (0.0 if target is None else 1.0), (target, index)
