@@ -4,9 +4,10 @@ Order of one optimizer step (automatic optimization), written down because it ma
 
 1. ``closure()``: ``training_step`` under ``forward_context`` (autocast), ``zero_grad``, ``pre_backward``
    (the loss is scaled), ``backward``, ``post_backward``.
-2. ``unscale_``: gradients are divided by the scale and checked for inf/NaN in one fused kernel
-   (scale 1 in modes without loss scaling: the check alone).
+2. ``unscale_`` (fp16): gradients are divided by the scale and checked for inf/NaN in one fused kernel.
 3. ``_after_closure``: ``on_before_optimizer_step`` hooks and gradient clipping see true gradients.
+   Without loss scaling (bf16/fp32/tf32) the inf/NaN check runs here instead: a read-only pass, or no pass
+   at all when clipping by norm computed the total norm (a non-finite norm means a non-finite gradient).
 4. ``scaler.step``: the optimizer steps unless a gradient was inf/NaN (fused optimizers skip on the device).
 5. ``scaler.update``: counters and the scale move on the device; then the divergence check, and
    gradients are released so the next forward does not carry them.
@@ -311,8 +312,10 @@ class MPPlugin(MixedPrecision):
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward ran, nothing to step
         scaler.begin_step()
-        scaler.unscale_once_(optimizer)
+        if scaler.scaling:
+            scaler.unscale_once_(optimizer)  # hooks and clipping must see true gradients
         self._after_closure(model, optimizer)
+        scaler.unscale_once_(optimizer)  # without scaling: the check, unless clipping by norm gave the verdict
         step_output = scaler.step(optimizer, **kwargs)
         scaler.update()
         self._skip_records[id(optimizer)] = (
@@ -367,7 +370,7 @@ class MPPlugin(MixedPrecision):
         if clip_val <= 0:
             return
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer in manual optimization
-        if self.scaler is not None:
+        if self.scaler is not None and self.scaler.scaling:
             # manual optimization clips before opt.step(): unscale first so the clip sees true gradients
             self.scaler.unscale_once_(optimizer)
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
@@ -376,6 +379,8 @@ class MPPlugin(MixedPrecision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         norm = torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
         self.stats.record_grad_norm(norm)
+        if self.scaler is not None:
+            self.scaler.record_check_from_(optimizer, norm)  # the norm read every gradient: no second pass
 
     # ------------------------------------------------------------------ checkpoints
     @override

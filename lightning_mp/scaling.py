@@ -131,6 +131,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self.ensure_initialized(tensor.device)
         return outputs  # check-only: multiplying by 1 would cost a kernel and change nothing
 
+    def record_check_from_(self, optimizer: torch.optim.Optimizer, total: torch.Tensor) -> bool:
+        """Check-only mode: take this step's inf/NaN verdict from a value computed over every gradient.
+
+        Gradient clipping by norm already reads every gradient, and the total norm is inf/NaN when any gradient
+        is (or when finite gradients are so large, beyond ~1e19, that their norm overflows: such a step is
+        skipped too). Reusing it spares the separate check pass. Returns whether the verdict was taken.
+        """
+        state = self._per_optimizer_states[id(optimizer)]
+        if self.scaling or state["stage"] is not OptState.READY:
+            return False
+        self._check_scale_growth_tracker("record_check_from_")
+        state["found_inf_per_device"] = {total.device: (~torch.isfinite(total.detach())).float()}
+        state["stage"] = OptState.UNSCALED
+        return True
+
     def unscale_once_(self, optimizer: torch.optim.Optimizer) -> None:
         """``unscale_`` unless it already ran for this optimizer since the last ``update()``."""
         if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:

@@ -302,3 +302,25 @@ def test_lbfgs_is_refused_with_advice():
 
     with pytest.raises(Exception, match="LBFGS.*skip_nonfinite=False"):
         make_trainer(MPPlugin("fp16"), max_steps=1).fit(WithLBFGS())
+
+
+def test_bf16_clipping_by_norm_gives_the_nonfinite_verdict_without_a_second_pass(monkeypatch):
+    from lightning_mp.scaling import DynamicLossScaler
+
+    calls = []
+    original = DynamicLossScaler._check_grads_
+    monkeypatch.setattr(
+        DynamicLossScaler, "_check_grads_", staticmethod(lambda opt, found: calls.append(1) or original(opt, found))
+    )
+    recorder = StepRecorder()
+    model = TinyRegressor(optimizer="adamw_fused", poison_grad=(2,), poison_value=math.nan)
+    plugin = MPPlugin("bf16")
+    make_trainer(plugin, max_steps=4, callbacks=[recorder], gradient_clip_val=1.0).fit(model)
+    assert calls == []  # the clip norm served as the check on every step
+    assert_state_equal(recorder.before[2], recorder.after[2])
+    assert plugin.stats.skipped_steps == 1
+    # clipping by value does not read a norm: the check pass runs
+    make_trainer(MPPlugin("bf16"), max_steps=2, gradient_clip_val=1.0, gradient_clip_algorithm="value").fit(
+        TinyRegressor()
+    )
+    assert len(calls) == 2
