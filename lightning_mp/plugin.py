@@ -302,7 +302,20 @@ class MPPlugin(MixedPrecision):
     ) -> Any:
         scaler = self.scaler
         if scaler is None:
-            return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
+            step_output = Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
+        else:
+            step_output = self._guarded_step(scaler, optimizer, model, closure, **kwargs)
+        if (
+            self.release_grads_after_step
+            and model.automatic_optimization
+            and not is_overridden("optimizer_zero_grad", model, LightningModule)
+        ):
+            optimizer.zero_grad(set_to_none=True)
+        return step_output
+
+    def _guarded_step(
+        self, scaler: DynamicLossScaler, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         if isinstance(optimizer, LBFGS):
             raise MisconfigurationException(
                 "MPPlugin cannot check LBFGS steps for inf/NaN (LBFGS re-evaluates its closure)."
@@ -322,12 +335,6 @@ class MPPlugin(MixedPrecision):
             scaler.last_skipped_host if scaler.last_skipped_host is not None else scaler.counters_tensor()[3].clone()
         )
         self._check_divergence(model)
-        if (
-            self.release_grads_after_step
-            and model.automatic_optimization
-            and not is_overridden("optimizer_zero_grad", model, LightningModule)
-        ):
-            optimizer.zero_grad(set_to_none=True)
         return step_output
 
     def _check_divergence(self, model: LightningModule) -> None:

@@ -236,6 +236,9 @@ def test_grads_are_released_after_the_step_unless_disabled():
     make_trainer(MPPlugin("bf16"), max_steps=2, callbacks=[Peek()]).fit(TinyRegressor())
     make_trainer(MPPlugin("bf16", release_grads_after_step=False), max_steps=2, callbacks=[Peek()]).fit(TinyRegressor())
     assert seen[True] is None and seen[False] is not None
+    seen.clear()
+    make_trainer(MPPlugin("bf16", skip_nonfinite=False), max_steps=2, callbacks=[Peek()]).fit(TinyRegressor())
+    assert seen == {True: None}
 
 
 def test_skip_nonfinite_false_in_bf16_steps_on_nan():
