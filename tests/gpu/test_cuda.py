@@ -21,6 +21,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from conftest import make_trainer as make_test_trainer
+
 from lightning_mp import MPPlugin
 
 pytestmark = [
@@ -133,19 +135,7 @@ class StepSnapshots(Callback):
 
 
 def make_trainer(plugin: Optional[MPPlugin] = None, max_steps: int = 20, callbacks=(), **kwargs: Any) -> Trainer:
-    defaults: dict[str, Any] = dict(
-        accelerator=ACCELERATOR,
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    defaults.update(kwargs)
-    return Trainer(plugins=[plugin] if plugin is not None else None, callbacks=list(callbacks), **defaults)
+    return make_test_trainer(plugin, max_steps, callbacks, **{"accelerator": ACCELERATOR, **kwargs})
 
 
 def assert_nested_equal(a: Any, b: Any, where: str = "") -> None:
