@@ -9,14 +9,10 @@ True
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class PrecisionMode:
@@ -102,7 +98,8 @@ def bf16_supported(device_type: str) -> bool:
     return device_type == "cpu"
 
 
-def _auto_choice(device_type: str) -> tuple[str, str]:
+def auto_choice(device_type: str) -> tuple[str, str]:
+    """What ``"auto"`` runs on this kind of device, and why."""
     if device_type == "cuda":
         if bf16_supported("cuda"):
             major, minor = torch.cuda.get_device_capability()
@@ -122,9 +119,7 @@ def resolve_mode(name: str, device_type: str) -> PrecisionMode:
     """
     name = parse_precision(name)
     if name == AUTO:
-        chosen, reason = _auto_choice(device_type)
-        log.info("MPPlugin(precision='auto') chose %r: %s.", chosen, reason)
-        return MODES[chosen]
+        return MODES[auto_choice(device_type)[0]]
     if name in PLANNED:
         raise NotImplementedError(
             f"precision={name!r} is a known mode but this release of lightning_mp does not run it yet;"
@@ -149,7 +144,7 @@ def provisional_lightning_precision(name: str) -> str:
     """The Lightning string to report before the device is known (``auto`` is settled at setup)."""
     if name == AUTO:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        return MODES[_auto_choice(device_type)[0]].lightning_precision
+        return MODES[auto_choice(device_type)[0]].lightning_precision
     if name in MODES:
         return MODES[name].lightning_precision
     return "32-true"

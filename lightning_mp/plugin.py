@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
-from lightning_mp.modes import AUTO, MODES, PLANNED, PrecisionMode, parse_precision, provisional_lightning_precision, resolve_mode
+from lightning_mp.modes import AUTO, MODES, PLANNED, auto_choice, PrecisionMode, parse_precision, provisional_lightning_precision, resolve_mode
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, StepStats
 
@@ -162,13 +162,14 @@ class MPPlugin(MixedPrecision):
         self._patched_module: Optional[LightningModule] = None
         self._step_schedulers: set[int] = set()
         self._skip_records: dict[int, Union[bool, Tensor]] = {}
-        self._pending_state: Optional[dict[str, Any]] = None
         self._lagged_consecutive = _LaggedRead()
+        self._auto_device: Optional[str] = None
         if self._requested in PLANNED:
             resolve_mode(self._requested, self.device)  # raises: known name, not runnable in this release
         if self._requested != AUTO:
             # the hardware check waits for setup, where the Trainer's real device is known
             self._setup_mode(MODES[self._requested])
+            self._warn_unused_scaler_arguments()
 
     # ------------------------------------------------------------------ construction helpers
     def _make_scaler(self, device: str, *, scaling: bool) -> DynamicLossScaler:
@@ -191,10 +192,13 @@ class MPPlugin(MixedPrecision):
         else:
             self.scaler = None
         self.stats = StepStats(self.scaler)
+
+    def _warn_unused_scaler_arguments(self) -> None:
+        assert self.mode is not None
         changed = sorted(k for k, v in self._scaler_kwargs.items() if v != _SCALER_DEFAULTS[k])
-        if changed and not mode.needs_scaler:
+        if changed and not self.mode.needs_scaler:
             rank_zero_warn(
-                f"MPPlugin: {', '.join(changed)} set, but precision={mode.name!r} does not scale the loss;"
+                f"MPPlugin: {', '.join(changed)} set, but precision={self.mode.name!r} does not scale the loss;"
                 " loss-scaling arguments take effect with precision='fp16'."
             )
 
@@ -209,15 +213,14 @@ class MPPlugin(MixedPrecision):
         module = _unwrap_lightning_module(model)
         device = _root_device(module, model)
         self.device = device.type
-        if self.mode is None or self._requested == AUTO or (self.scaler is not None and self.scaler._device != self.device):
-            state = self.scaler.state_dict() if self.scaler is not None and self.scaler.initialized else None
-            mode = resolve_mode(self._requested, self.device)
-            if self._requested == AUTO:
-                rank_zero_info(f"MPPlugin(precision='auto') runs {mode.name!r} on {device}.")
-            self.scaler = None
-            self._setup_mode(mode)
-            if state is not None and self.scaler is not None:
-                self.scaler.load_state_dict(state)
+        if self._requested == AUTO and (self.mode is None or self._auto_device != self.device):
+            name, reason = auto_choice(self.device)
+            self._setup_mode(resolve_mode(name, self.device))
+            self._auto_device = self.device
+            rank_zero_info(f"MPPlugin(precision='auto') chose {name!r} on {device}: {reason}.")
+            self._warn_unused_scaler_arguments()
+        elif self.scaler is not None and self.scaler._device != self.device:
+            self._setup_mode(resolve_mode(self.mode.name, self.device))  # rebuilt for the real device, state kept
         else:
             resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
         if self.scaler is not None:

@@ -60,8 +60,16 @@ def test_mode_table():
     assert set(ALIASES.values()) <= set(accepted_names())
 
 
-def test_auto_on_cpu_is_bf16():
+def test_auto_on_cpu_is_bf16_and_says_why(caplog):
     assert resolve_mode("auto", "cpu").name == "bf16"
+    import logging
+
+    from conftest import TinyRegressor, make_trainer
+
+    with caplog.at_level(logging.INFO):
+        make_trainer(MPPlugin("auto"), max_steps=1).fit(TinyRegressor())
+    chosen = [r.getMessage() for r in caplog.records if "precision='auto'" in r.getMessage()]
+    assert chosen == ["MPPlugin(precision='auto') chose 'bf16' on cpu: bf16 autocast is the fastest safe mode on the CPU."]
 
 
 def test_unsupported_hardware_says_why_and_what_instead(monkeypatch):
