@@ -164,6 +164,7 @@ class MPPlugin(MixedPrecision):
         self._skip_records: dict[int, Union[bool, Tensor]] = {}
         self._lagged_consecutive = _LaggedRead()
         self._auto_device: Optional[str] = None
+        self._device_for_state: Optional[torch.device] = None
         if self._requested in PLANNED:
             resolve_mode(self._requested, self.device)  # raises: known name, not runnable in this release
         if self._requested != AUTO:
@@ -202,6 +203,28 @@ class MPPlugin(MixedPrecision):
                 " loss-scaling arguments take effect with precision='fp16'."
             )
 
+    def set_precision(self, precision: str) -> PrecisionMode:
+        """Switch the mode between two optimizer steps (what ``PrecisionSchedule`` calls).
+
+        Example::
+
+            trainer.precision_plugin.set_precision("bf16")   # e.g. from a callback's on_train_batch_end
+
+        Skip counters carry over; the loss scale carries over between scaling modes and starts from
+        ``init_scale`` when fp16 begins. Raises before changing anything if the device cannot run the mode.
+        """
+        name = parse_precision(precision)
+        if name == AUTO:
+            name = auto_choice(self.device)[0]
+        mode = resolve_mode(name, self.device)
+        if self.mode is not None and mode.name == self.mode.name:
+            return mode
+        self._setup_mode(mode)
+        if self.scaler is not None and self._device_for_state is not None:
+            self.scaler.ensure_initialized(self._device_for_state)
+        self._apply_tf32()
+        return mode
+
     @property
     def requested_precision(self) -> str:
         """The precision as the user asked for it (canonical name, ``"auto"`` kept)."""
@@ -223,6 +246,7 @@ class MPPlugin(MixedPrecision):
             self._setup_mode(resolve_mode(self.mode.name, self.device))  # rebuilt for the real device, state kept
         else:
             resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
+        self._device_for_state = device
         if self.scaler is not None:
             self.scaler.ensure_initialized(device)
         self._apply_tf32()
@@ -233,6 +257,7 @@ class MPPlugin(MixedPrecision):
         assert self.mode is not None
         wanted = self.tf32 if self.tf32 is not None else self.mode.tf32
         if wanted is None:
+            self._restore_tf32()  # a mode switch away from fp32/tf32 gives the flags back
             return
         if self._tf32_saved is None:
             self._tf32_saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
@@ -263,11 +288,14 @@ class MPPlugin(MixedPrecision):
             return False
         return bool(record.item()) if isinstance(record, Tensor) else record
 
-    @override
-    def teardown(self) -> None:
+    def _restore_tf32(self) -> None:
         if self._tf32_saved is not None:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_saved
             self._tf32_saved = None
+
+    @override
+    def teardown(self) -> None:
+        self._restore_tf32()
         if self._patched_module is not None:
             self._patched_module.__dict__.pop("lr_scheduler_step", None)
             self._patched_module = None

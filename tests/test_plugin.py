@@ -327,3 +327,32 @@ def test_bf16_clipping_by_norm_gives_the_nonfinite_verdict_without_a_second_pass
         TinyRegressor()
     )
     assert len(calls) == 2
+
+
+def test_set_precision_between_steps():
+    from lightning.pytorch import Callback
+
+    seen = []
+
+    class Switch(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((trainer.precision, pl_module.seen_dtypes[-1], torch.backends.cuda.matmul.allow_tf32))
+            if trainer.global_step == 2:
+                trainer.precision_plugin.set_precision("bf16")
+            if trainer.global_step == 4:
+                trainer.precision_plugin.set_precision("16-mixed")
+
+    before = torch.backends.cuda.matmul.allow_tf32
+    model = TinyRegressor(poison_loss=(1, 5))
+    plugin = MPPlugin("fp32", init_scale=64.0)
+    make_trainer(plugin, max_steps=6, callbacks=[Switch()]).fit(model)
+    assert [s[:2] for s in seen] == [
+        ("32-true", torch.float32), ("32-true", torch.float32),
+        ("bf16-mixed", torch.bfloat16), ("bf16-mixed", torch.bfloat16),
+        ("16-mixed", torch.float16), ("16-mixed", torch.float16),
+    ]
+    assert [s[2] for s in seen[:2]] == [False, False] and seen[2][2] == before  # fp32 turned TF32 off, bf16 gave it back
+    # counters carried across the switches; fp16 started from init_scale and backed off once
+    assert plugin.stats.skipped_steps == 2 and plugin.stats.steps == 6 and plugin.stats.loss_scale == 32.0
+    with pytest.raises(ValueError, match="Unknown precision 'fp12'"):
+        plugin.set_precision("fp12")
