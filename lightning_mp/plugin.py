@@ -188,6 +188,7 @@ class MPPlugin(MixedPrecision):
         self.precision = mode.lightning_precision  # type: ignore[assignment]
         if mode.needs_scaler or self.skip_nonfinite:
             self.scaler = self._make_scaler(self.device, scaling=mode.needs_scaler)
+            self.scaler.sync_across_ranks = _world_size() > 1
             if previous is not None and previous.initialized:
                 self.scaler.load_state_dict(previous.state_dict())
         else:
@@ -249,6 +250,7 @@ class MPPlugin(MixedPrecision):
         self._device_for_state = device
         if self.scaler is not None:
             self.scaler.ensure_initialized(device)
+            self.scaler.sync_across_ranks = _world_size() > 1
         self._apply_tf32()
         self._hold_schedulers(module, optimizers, lr_schedulers)
         return model, optimizers, lr_schedulers
@@ -460,6 +462,11 @@ class MPPlugin(MixedPrecision):
         # a checkpoint written with Lightning's precision="16-mixed" keeps its scale when resumed here
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint:
             self.load_state_dict(checkpoint["MixedPrecision"])
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _unwrap_lightning_module(model: Any) -> Optional[LightningModule]:

@@ -106,6 +106,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._init_hysteresis_tracker = hysteresis
         #: whether the last step was skipped, when known on the host without a sync (``None`` otherwise)
         self.last_skipped_host: Optional[bool] = None
+        #: with several processes, agree on the inf/NaN verdict (all-reduce MAX) so every rank takes the same step
+        self.sync_across_ranks = False
 
     # ------------------------------------------------------------------ state on the device
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -199,6 +201,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
             # no parameter of this optimizer has a gradient: nothing to check and nothing would change
             self._check_scale_growth_tracker("step")
             state["found_inf_per_device"] = {self._scale.device: torch.zeros((), device=self._scale.device)}
+        if self.sync_across_ranks:
+            # a gradient poisoned after DDP's all-reduce exists on one rank only: every rank must skip with it.
+            # The collective is enqueued on the device (no host sync).
+            for found in state["found_inf_per_device"].values():
+                torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
         return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
