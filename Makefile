@@ -1,4 +1,4 @@
-# The two commands of the README: `make demo` (the main job) and `make test` (the test suite).
+# The two commands of the README: `make compare` (the main job) and `make test` (the test suite).
 # Both create .venv and install everything on first use.
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lightning_mp-installed
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup compare demo test test-gpu clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
+
+compare: $(STAMP)
+	$(PY) -m lightning_mp compare
 
 demo: $(STAMP)
 	$(PY) -m lightning_mp demo

@@ -1,0 +1,93 @@
+"""`python -m lightning_mp compare`: the table, JSON, PNG, failure rows and the recommendation."""
+
+import json
+
+import pytest
+import torch
+from conftest import TinyRegressor
+
+from lightning_mp.compare import ModeResult, assess, choose, main, recommendation_text
+
+TINY_LM = '{"width": 32, "layers": 1, "heads": 2, "seq_len": 16, "batch_size": 4}'
+
+
+class FailsUnderAutocast(TinyRegressor):
+    """Raises inside training_step when autocast is on: stands for a mode that breaks a model."""
+
+    def training_step(self, batch, batch_idx):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("this model does not support autocast")
+        return super().training_step(batch, batch_idx)
+
+
+def row(mode, step_ms, drift=0.0, skipped=0, steps=100, status="ok"):
+    return ModeResult(mode=mode, status=status, step_ms=step_ms, loss_drift=drift, skipped_steps=skipped, steps=steps,
+                      final_loss=1.0)
+
+
+def test_chooser_picks_the_fastest_mode_within_thresholds():
+    results = [
+        row("fp32", 100.0),
+        row("bf16", 40.0, drift=0.01),
+        row("fp16", 30.0, drift=0.02, skipped=20),  # fastest, but 20 % skipped
+        row("bf16-true", 35.0, drift=-0.08),  # fast, but drifts 8 %
+        row("fp8", None, status="unsupported"),
+        row("tf32", 20.0, status="failed"),
+    ]
+    best, why = choose(results, drift_tolerance=0.05, max_skip_rate=0.10)
+    assert best.mode == "bf16"
+    assert "2.50x the speed of fp32" in why
+    # loosen the thresholds: the faster rows qualify
+    assert choose(results, drift_tolerance=0.10, max_skip_rate=0.10)[0].mode == "bf16-true"
+    assert choose(results, drift_tolerance=0.10, max_skip_rate=0.25)[0].mode == "fp16"
+    assert choose([row("fp32", 1.0, status="failed")])[0] is None
+    text = recommendation_text(best, why)
+    assert 'Trainer(plugins=[MPPlugin("bf16")])' in text and "precision: bf16" in text
+
+
+def test_assess_measures_drift_against_fp32_and_marks_unstable():
+    results = [ModeResult("fp32", final_loss=2.0, steps=10, skipped_steps=0),
+               ModeResult("bf16", final_loss=2.02, steps=10, skipped_steps=0),
+               ModeResult("fp16", final_loss=2.5, steps=10, skipped_steps=3)]
+    assess(results, drift_tolerance=0.05, max_skip_rate=0.1)
+    assert results[1].loss_drift == pytest.approx(0.01) and results[1].status == "ok"
+    assert results[2].status == "unstable"
+    assert "+25.0% from fp32" in results[2].reason and "3/10 steps skipped" in results[2].reason
+
+
+def test_compare_end_to_end(tmp_path, capsys):
+    out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
+    code = main(["--model-args", TINY_LM, "--modes", "fp32", "bf16", "fp8", "--steps", "6", "--no-progress",
+                 "--json", str(out_json), "--plot", str(out_png)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| mode | verdict | step ms | vs fp32 | vs bf16 | tokens/s |" in printed
+    assert "Recommendation:" in printed and "class_path: lightning_mp.MPPlugin" in printed
+    data = json.loads(out_json.read_text())
+    rows = {r["mode"]: r for r in data["results"]}
+    assert rows["fp32"]["status"] in ("ok", "unstable") and rows["fp32"]["steps"] == 6
+    assert rows["bf16"]["step_ms"] > 0 and rows["bf16"]["loss_drift"] is not None
+    assert len(rows["bf16"]["losses"]) == 6
+    assert rows["fp8"]["status"] == "unsupported"
+    assert data["recommendation"]["mode"] in ("fp32", "bf16")
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_failing_mode_is_reported_and_the_others_run(capsys):
+    assert main(["--model", "test_compare:FailsUnderAutocast", "--modes", "bf16", "fp32", "--steps", "3",
+                 "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    bf16_row = next(line for line in printed.splitlines() if line.startswith("| bf16 |"))
+    fp32_row = next(line for line in printed.splitlines() if line.startswith("| fp32 |"))
+    assert "| failed |" in bf16_row and "does not support autocast" in bf16_row
+    assert "| ok |" in fp32_row
+    assert "Recommendation: fp32" in printed
+
+
+def test_bad_arguments_are_clear(capsys):
+    with pytest.raises(SystemExit):
+        main(["--model", "nowhere"])
+    assert "use 'package.module:ClassName'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--modes", "fp12"])
+    assert "Unknown precision 'fp12'" in capsys.readouterr().err
