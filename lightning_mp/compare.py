@@ -87,7 +87,7 @@ def choose(
     has_reference = any(r.mode == "fp32" and r.ran for r in results)
     candidates = []
     for r in results:
-        if not r.ran or r.step_ms is None:
+        if not r.ran or r.step_ms is None or r.mode.startswith("lightning:"):  # baselines are not advice
             continue
         if r.loss_drift is None and has_reference:
             continue
@@ -187,11 +187,23 @@ def _make_recorder(device_type: str):
 
     class Recorder(Callback):
         def __init__(self) -> None:
-            self.times: list[float] = []
-            self.losses: list[float] = []
+            self._times: list[float] = []
+            self._events: list[tuple[Any, Any]] = []
+            self._losses: list[torch.Tensor] = []
             self.items, self.item_name = 0, "samples"
             self._t0 = 0.0
             self._start = None
+
+        @property
+        def times(self) -> list[float]:
+            if device_type == "cuda":  # read the events once, at the end: no host sync per step
+                torch.cuda.synchronize()
+                return [start.elapsed_time(end) / 1000 for start, end in self._events]
+            return self._times
+
+        @property
+        def losses(self) -> list[float]:
+            return [float(x) for x in torch.stack(self._losses).tolist()] if self._losses else []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             self.items, self.item_name = _count_items(batch)
@@ -205,13 +217,12 @@ def _make_recorder(device_type: str):
             if device_type == "cuda":
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
-                end.synchronize()
-                self.times.append(self._start.elapsed_time(end) / 1000)
+                self._events.append((self._start, end))
             else:
-                self.times.append(time.perf_counter() - self._t0)
+                self._times.append(time.perf_counter() - self._t0)
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             if isinstance(loss, torch.Tensor):
-                self.losses.append(float(loss.detach()))
+                self._losses.append(loss.detach().float().reshape(()))
 
     return Recorder()
 
@@ -226,27 +237,38 @@ def run_mode(
     make_datamodule: Optional[Callable[[], Any]] = None,
     progress: bool = True,
 ) -> ModeResult:
-    """Train ``steps`` optimizer steps under ``MPPlugin(mode)``; any failure lands in the returned row."""
+    """Train ``steps`` optimizer steps under ``MPPlugin(mode)``; any failure lands in the returned row.
+
+    ``mode`` may also be ``"lightning:<precision>"`` (e.g. ``"lightning:bf16-mixed"``) to run Lightning's own
+    precision plugin as a baseline.
+    """
     from lightning.pytorch import Trainer, seed_everything
 
     from lightning_mp import MPPlugin, NonFiniteTrainingError
 
     result = ModeResult(mode=mode)
-    why = _unsupported_reason(mode, device_type)
+    native = mode.startswith("lightning:")
+    why = None if native else _unsupported_reason(mode, device_type)
     if why is not None:
         result.status, result.reason = "unsupported", why
         return result
+    plugin = None
     memory = _PeakMemory(device_type)
     recorder = _make_recorder(device_type)
     try:
         seed_everything(seed, verbose=False)
         module = make_module()
         module.load_state_dict(initial_state)
-        plugin = MPPlugin(mode)
+        precision_kwargs: dict[str, Any]
+        if native:
+            precision_kwargs = {"precision": mode.split(":", 1)[1]}
+        else:
+            plugin = MPPlugin(mode)
+            precision_kwargs = {"plugins": [plugin]}
         trainer = Trainer(
             accelerator="gpu" if device_type == "cuda" else "cpu",
             devices=1,
-            plugins=[plugin],
+            **precision_kwargs,
             max_steps=steps,
             logger=False,
             enable_checkpointing=False,
@@ -263,8 +285,13 @@ def run_mode(
             trainer.fit(module, datamodule=make_datamodule())
         else:
             trainer.fit(module)
-        stats = plugin.stats.as_dict()
-        result.skipped_steps, result.loss_scale, result.steps = stats["skipped_steps"], stats["loss_scale"], stats["steps"]
+        if plugin is not None:
+            stats = plugin.stats.as_dict()
+            result.skipped_steps, result.loss_scale, result.steps = stats["skipped_steps"], stats["loss_scale"], stats["steps"]
+        else:
+            result.steps = trainer.global_step
+            scaler = getattr(trainer.precision_plugin, "scaler", None)
+            result.loss_scale = float(scaler.get_scale()) if scaler is not None else None
     except NonFiniteTrainingError as err:
         result.status, result.reason = "diverged", str(err).split(". ")[0]
     except torch.OutOfMemoryError:
@@ -278,16 +305,17 @@ def run_mode(
         if device_type == "cuda":
             torch.cuda.empty_cache()
     result.losses = recorder.losses
-    timed = recorder.times[min(3, len(recorder.times) // 4):]  # warm-up excluded
+    times = recorder.times
+    timed = times[min(3, len(times) // 4):]  # warm-up excluded
     if timed:
         result.step_ms = 1000 * statistics.median(timed)
         result.items_per_s = recorder.items / (result.step_ms / 1000)
         result.item_name = recorder.item_name
-    finite = [x for x in recorder.losses if math.isfinite(x)]
+    finite = [x for x in result.losses if math.isfinite(x)]
     if finite:
         tail = finite[-max(1, min(10, len(finite) // 5)):]
         result.final_loss = sum(tail) / len(tail)
-    if result.status == "ok" and recorder.losses and not math.isfinite(recorder.losses[-1]):
+    if result.status == "ok" and result.losses and not math.isfinite(result.losses[-1]):
         result.status, result.reason = "diverged", "the last loss is not finite"
     return result
 
@@ -378,7 +406,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--datamodule", default=None, help="'package.module:ClassName' of a LightningDataModule (optional)")
     parser.add_argument("--datamodule-args", default="{}", help="JSON object of keyword arguments for the datamodule")
     parser.add_argument("--modes", nargs="+", default=None,
-                        help="modes to run (default: every mode; ones this hardware cannot run are reported as such)")
+                        help="modes to run (default: every mode; ones this hardware cannot run are reported as such);"
+                             " 'lightning:bf16-mixed' etc. add Lightning's own plugins as baselines")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per mode (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -403,7 +432,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_mp.modes import parse_precision
 
     try:
-        modes = [parse_precision(m) for m in args.modes] if args.modes else default_modes(device_type)
+        modes = ([m if m.startswith("lightning:") else parse_precision(m) for m in args.modes] if args.modes
+                 else default_modes(device_type))
     except ValueError as err:
         parser.error(f"--modes: {err}")
 

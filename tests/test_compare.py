@@ -33,6 +33,7 @@ def test_chooser_picks_the_fastest_mode_within_thresholds():
         row("bf16-true", 35.0, drift=-0.08),  # fast, but drifts 8 %
         row("fp8", None, status="unsupported"),
         row("tf32", 20.0, status="failed"),
+        row("lightning:bf16-mixed", 10.0),  # a baseline is never the advice
     ]
     best, why = choose(results, drift_tolerance=0.05, max_skip_rate=0.10)
     assert best.mode == "bf16"
@@ -91,3 +92,9 @@ def test_bad_arguments_are_clear(capsys):
     with pytest.raises(SystemExit):
         main(["--modes", "fp12"])
     assert "Unknown precision 'fp12'" in capsys.readouterr().err
+
+
+def test_lightning_native_baseline_row(capsys):
+    assert main(["--model-args", TINY_LM, "--modes", "fp32", "lightning:bf16-mixed", "--steps", "4", "--no-progress"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| lightning:bf16-mixed |"))
+    assert "| ok |" in line
