@@ -230,7 +230,7 @@ def _make_recorder(device_type: str):
 def run_mode(
     mode: str,
     make_module: Callable[[], Any],
-    initial_state: dict[str, torch.Tensor],
+    initial_state: Optional[dict[str, torch.Tensor]],
     steps: int,
     device_type: str,
     seed: int = 0,
@@ -258,7 +258,8 @@ def run_mode(
     try:
         seed_everything(seed, verbose=False)
         module = make_module()
-        module.load_state_dict(initial_state)
+        if initial_state is not None:  # None: make_module builds the same weights every call itself
+            module.load_state_dict(initial_state)
         precision_kwargs: dict[str, Any]
         if native:
             precision_kwargs = {"precision": mode.split(":", 1)[1]}
