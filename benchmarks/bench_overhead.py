@@ -16,7 +16,21 @@ mp-bf16-noskip           ``MPPlugin("bf16", skip_nonfinite=False)``: what the in
 ...+clip                 the same with gradient clipping by norm at 1.0 (``gradient_clip_val`` / ``clip_grad_norm_``);
                          Lightning's bf16-mixed refuses clipping with a fused optimizer, so plain-bf16+clip is
                          the reference
+lightning-bf16-true      ``Trainer(precision="bf16-true")``: bf16 weights and AdamW state, no master copy
+mp-bf16-true             ``MPPlugin("bf16-true")``: bf16 weights, fp32 master weights (AdamW state fp32),
+                         LayerNorms guarded in fp32
+mp-bf16-true-kahan       ``MPPlugin("bf16-true", master_weights="kahan")``: bf16 compensation instead of masters
+mp-bf16-true-stochastic  ``MPPlugin("bf16-true", master_weights="stochastic")``: stochastic rounding, no copy
+mp-bf16-true-none        ``MPPlugin("bf16-true", master_weights="none")``: plain bf16 weights and state (guards on)
+mp-bf16-true-noguards    ``MPPlugin("bf16-true", fp32_modules=[])``: fp32 masters, LayerNorms in bf16 (what the
+                         guards cost)
 =======================  ====================================================================
+
+The true-half modes are not in the default ``--modes`` list; name them, e.g.
+``--modes plain-bf16,lightning-bf16-mixed,lightning-bf16-true,mp-bf16-true,mp-bf16-true-kahan,...``. When any
+ran, a second table compares them with the bf16 autocast loop (speed), Lightning's bf16-mixed (peak memory)
+and Lightning's bf16-true, and gives ``resident GiB``: what stays allocated after training (weights, masters or
+compensation, optimizer state), divided by the parameter count as bytes/param.
 
 Per mode: ``--warmup`` steps, then ``--steps`` timed steps, then ``--sync-steps`` steps under
 ``torch.cuda.set_sync_debug_mode("warn")`` that count host-device syncs.
@@ -74,6 +88,16 @@ ALL_MODES = (
     "plain-bf16+clip",
     "mp-bf16+clip",
 )
+#: bf16-true modes: runnable with --modes, not part of the default list (the original run stays as it was)
+TRUE_HALF_MODES = (
+    "lightning-bf16-true",
+    "mp-bf16-true",
+    "mp-bf16-true-kahan",
+    "mp-bf16-true-stochastic",
+    "mp-bf16-true-none",
+    "mp-bf16-true-noguards",
+)
+KNOWN_MODES = ALL_MODES + TRUE_HALF_MODES
 NATIVE = {
     "plain-bf16": "lightning-bf16-mixed",
     "lightning-bf16-mixed": "lightning-bf16-mixed",
@@ -87,6 +111,8 @@ NATIVE = {
     # Lightning's bf16-mixed refuses clipping with a fused optimizer: the plain loop is the reference
     "plain-bf16+clip": "plain-bf16+clip",
     "mp-bf16+clip": "plain-bf16+clip",
+    # true-half: the target compares speed with bf16 autocast and memory with Lightning's bf16-mixed
+    **{mode: "lightning-bf16-mixed" for mode in TRUE_HALF_MODES},
 }
 CLIP = 1.0
 SYNC_MESSAGE = "synchronizing CUDA operation"
@@ -298,10 +324,18 @@ def run_lightning(
         kwargs["precision"] = "bf16-mixed"
     elif mode == "lightning-16-mixed":
         kwargs["precision"] = "16-mixed"
+    elif mode == "lightning-bf16-true":
+        kwargs["precision"] = "bf16-true"
     else:
         from lightning_mp import MPPlugin
 
-        if mode == "mp-bf16-keep-grads":
+        if mode.startswith("mp-bf16-true"):
+            variant = mode.removeprefix("mp-bf16-true").removeprefix("-")
+            if variant == "noguards":
+                plugin = MPPlugin("bf16-true", fp32_modules=[])
+            else:
+                plugin = MPPlugin("bf16-true", master_weights=variant or "fp32")
+        elif mode == "mp-bf16-keep-grads":
             plugin = MPPlugin("bf16", release_grads_after_step=False)
         elif mode == "mp-bf16-noskip":
             plugin = MPPlugin("bf16", skip_nonfinite=False)
@@ -330,7 +364,17 @@ def run_lightning(
         trainer.fit(module)
     finally:
         probe.close_sync_window()
-    extra: dict[str, Any] = {"fingerprint": fingerprint, "precision": str(trainer.precision)}
+    torch.cuda.synchronize()
+    # what training keeps between steps: weights, master weights / compensation, optimizer state
+    resident = torch.cuda.memory_allocated()
+    extra: dict[str, Any] = {
+        "fingerprint": fingerprint,
+        "precision": str(trainer.precision),
+        "resident_gib": resident / 2**30,
+        "resident_bytes_per_param": resident / sum(p.numel() for p in model.parameters()),
+    }
+    if plugin is not None and plugin.master_weights is not None:
+        extra["master_weights"] = plugin.master_weights
     if module.last_loss is not None:
         extra["final_loss"] = float(module.last_loss)
     if plugin is not None:
@@ -390,9 +434,39 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def true_half_table(rows: list[dict[str, Any]]) -> Optional[str]:
+    """The bf16-true rows against bf16 autocast (speed), Lightning's bf16-mixed (memory) and bf16-true."""
+    by_mode = {r["mode"]: r for r in rows if "error" not in r}
+    chosen = [r for r in rows if r["mode"] in TRUE_HALF_MODES]
+    if not chosen:
+        return None
+    plain, mixed, half = (by_mode.get(m) for m in ("plain-bf16", "lightning-bf16-mixed", "lightning-bf16-true"))
+    lines = [
+        "| mode | step ms | speed vs plain-bf16 | speed vs lightning-bf16-mixed | peak GiB | peak vs lightning-bf16-mixed"
+        " | speed vs lightning-bf16-true | peak vs lightning-bf16-true | resident GiB | resident bytes/param |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in chosen:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | {r['error']} | | | | | | | | |")
+            continue
+        speed = lambda ref: ref["step_ms"] / r["step_ms"] if ref else None  # noqa: E731
+        mem = lambda ref: r["peak_gib"] / ref["peak_gib"] if ref and ref["peak_gib"] else None  # noqa: E731
+        lines.append(
+            f"| {r['mode']} | {r['step_ms']:.1f} | {fmt(speed(plain), '.3f')} | {fmt(speed(mixed), '.3f')}"
+            f" | {r['peak_gib']:.1f} | {fmt(mem(mixed), '.3f')} | {fmt(speed(half), '.3f')} | {fmt(mem(half), '.3f')}"
+            f" | {fmt(r.get('resident_gib'), '.1f')} | {fmt(r.get('resident_bytes_per_param'), '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated subset of {', '.join(ALL_MODES)}")
+    p.add_argument(
+        "--modes",
+        default=",".join(ALL_MODES),
+        help=f"comma-separated subset of {', '.join(KNOWN_MODES)} (default: all but the bf16-true ones)",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode; the median is reported (default 20)")
     p.add_argument("--sync-steps", type=int, default=3, help="steps counted for host syncs after the timed ones (default 3; 0 skips)")
@@ -408,9 +482,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in ALL_MODES]
+    unknown = [m for m in modes if m not in KNOWN_MODES]
     if unknown or not modes:
-        p.error(f"--modes: unknown {unknown or 'empty list'}; choose from {', '.join(ALL_MODES)}")
+        p.error(f"--modes: unknown {unknown or 'empty list'}; choose from {', '.join(KNOWN_MODES)}")
     args.modes = modes
     if args.warmup < 1 or args.steps < 1 or args.sync_steps < 0:
         p.error("--warmup and --steps must be >= 1, --sync-steps >= 0")
@@ -514,6 +588,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("vs columns: speed ratio (reference step ms / this step ms; > 1 is faster); the reference of each row is"
           " in NATIVE at the top of this file. bf16 modes compare with"
           " lightning-bf16-mixed, fp16 modes with lightning-16-mixed.")
+    half_table = true_half_table(rows)
+    if half_table is not None:
+        print()
+        print("bf16-true: speed ratios > 1 are faster; peak ratios < 1 use less memory (targets for mp-bf16-true:"
+              " speed vs plain-bf16 >= 1.05, peak vs lightning-bf16-mixed <= 0.85)")
+        print()
+        print(half_table)
     print(f"total {time.perf_counter() - t_all:.1f} s", flush=True)
 
     if args.json:

@@ -438,10 +438,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as err:
         parser.error(f"--modes: {err}")
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+            return _compare(args, parser, model_cls, model_kwargs, dm_cls, dm_kwargs, device_type, modes)
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+
+
+def _compare(args, parser, model_cls, model_kwargs, dm_cls, dm_kwargs, device_type, modes) -> int:
 
     from lightning.pytorch import seed_everything
 

@@ -5,6 +5,8 @@
 'bf16'
 >>> resolve_mode("fp16", "cpu").needs_scaler
 True
+>>> resolve_mode("bf16-true", "cpu").param_dtype
+torch.bfloat16
 """
 
 from __future__ import annotations
@@ -34,6 +36,18 @@ class PrecisionMode:
     #: TF32 setting the mode implies when the plugin's ``tf32`` is left unset; ``None`` leaves it alone
     tf32: Optional[bool]
     description: str
+    #: dtype the model's weights are stored in (outside FP32 guards); ``None`` keeps them fp32
+    param_dtype: Optional[torch.dtype] = None
+
+    @property
+    def true_half(self) -> bool:
+        """Whether the weights themselves are half precision (``bf16-true``, ``fp16-true``)."""
+        return self.param_dtype is not None
+
+    @property
+    def low_precision_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The 16-bit dtypes the mode computes or stores in."""
+        return tuple(d for d in (self.autocast_dtype, self.param_dtype) if d is not None)
 
 
 # Modes that this release runs, in the order of the README's table.
@@ -44,13 +58,18 @@ MODES: dict[str, PrecisionMode] = {
         PrecisionMode("tf32", "32-true", None, False, True, "fp32 weights, TF32 matmul/cuDNN"),
         PrecisionMode("bf16", "bf16-mixed", torch.bfloat16, False, None, "fp32 weights, bf16 autocast"),
         PrecisionMode("fp16", "16-mixed", torch.float16, True, None, "fp32 weights, fp16 autocast, loss scaling"),
+        PrecisionMode(
+            "bf16-true", "bf16-true", None, False, None, "bf16 weights and compute, fp32 master weights", torch.bfloat16
+        ),
+        PrecisionMode(
+            "fp16-true", "16-true", None, True, None, "fp16 weights and compute, fp32 master weights, loss scaling",
+            torch.float16,
+        ),
     )
 }
 
 #: names the parser knows whose support lands in a later release, with what to use meanwhile
 PLANNED: dict[str, str] = {
-    "bf16-true": "bf16",
-    "fp16-true": "fp16",
     "fp8": "bf16",
 }
 
@@ -126,15 +145,17 @@ def resolve_mode(name: str, device_type: str) -> PrecisionMode:
             f" use precision={PLANNED[name]!r} meanwhile."
         )
     mode = MODES[name]
-    if mode.autocast_dtype is torch.bfloat16 and not bf16_supported(device_type):
+    if torch.bfloat16 in mode.low_precision_dtypes and not bf16_supported(device_type):
         what = "this GPU" if device_type == "cuda" else f"device type {device_type!r}"
+        instead = "'fp16-true'" if mode.true_half else "'fp16'"
         raise ValueError(
-            f"precision='bf16' needs hardware bf16 support, which {what} lacks (it needs compute capability 8.0+,"
-            " e.g. A100/H100). Use precision='fp16' (with loss scaling) or 'fp32' instead."
+            f"precision={name!r} needs hardware bf16 support, which {what} lacks (it needs compute capability 8.0+,"
+            f" e.g. A100/H100). Use precision={instead} (with loss scaling) or 'fp32' instead."
         )
-    if mode.autocast_dtype is not None and device_type not in ("cuda", "cpu"):
+    if mode.low_precision_dtypes and device_type not in ("cuda", "cpu"):
+        what = "half-precision weights" if mode.true_half else "autocast"
         raise ValueError(
-            f"precision={name!r} needs autocast on 'cuda' or 'cpu', but the run is on {device_type!r}."
+            f"precision={name!r} needs {what} on 'cuda' or 'cpu', but the run is on {device_type!r}."
             " Use precision='fp32' on this device."
         )
     return mode

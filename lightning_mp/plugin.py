@@ -1,17 +1,30 @@
-"""MPPlugin: Lightning hook wiring for autocast, loss scaling and inf/NaN step skipping.
+"""MPPlugin: Lightning hook wiring for autocast, loss scaling, inf/NaN step skipping, FP32 guards and
+half-precision weights with master weights.
+
+Set-up: ``convert_module`` guards the FP32 modules and, in true-half modes, casts the other weights to
+bf16/fp16 (both in place: DDP discards its return value); ``connect`` attaches the master weights to the
+optimizers (the fp32 masters take the half parameters' places in the param groups).
 
 Order of one optimizer step (automatic optimization), written down because it matters:
 
-1. ``closure()``: ``training_step`` under ``forward_context`` (autocast), ``zero_grad``, ``pre_backward``
-   (the loss is scaled), ``backward``, ``post_backward``.
-2. ``unscale_`` (fp16): gradients are divided by the scale and checked for inf/NaN in one fused kernel.
-3. ``_after_closure``: ``on_before_optimizer_step`` hooks and gradient clipping see true gradients.
+1. ``closure()``: ``training_step`` under ``forward_context`` (autocast, or half default dtype in true-half
+   modes), ``zero_grad``, ``pre_backward`` (the loss is scaled), ``backward``, ``post_backward``
+   (``on_after_backward`` hooks, then with fp32 master weights the half gradients are added into the
+   masters' fp32 gradients; micro-batches of gradient accumulation pass here too, so they sum in fp32).
+2. Master weights ``prepare``: with ``"kahan"``/``"stochastic"`` an fp32 copy of each half parameter (with an
+   fp32 gradient and the parameter's optimizer state) takes its place in the param group until the step is
+   done, so everything below works on fp32 (with ``"fp32"`` the optimizer already holds the fp32 masters).
+3. ``unscale_`` (fp16): gradients are divided by the scale and checked for inf/NaN in one fused kernel.
+4. ``_after_closure``: ``on_before_optimizer_step`` hooks and gradient clipping see true gradients.
    Without loss scaling (bf16/fp32/tf32) the inf/NaN check runs here instead: a read-only pass, or no pass
    at all when clipping by norm computed the total norm (a non-finite norm means a non-finite gradient).
-4. ``scaler.step``: the optimizer steps unless a gradient was inf/NaN (fused optimizers skip on the device).
-5. ``scaler.update``: counters and the scale move on the device; then the divergence check, and
+5. ``scaler.step``: the optimizer steps unless a gradient was inf/NaN (fused optimizers skip on the device).
+6. Master weights ``finish``: the half weights are written (refreshed from the fp32 masters, rounded with
+   compensation, or rounded stochastically) and the parameters get their places and optimizer state back;
+   after a skipped step nothing changes.
+7. ``scaler.update``: counters and the scale move on the device; then the divergence check, and
    gradients are released so the next forward does not carry them.
-6. Lightning steps the LR schedulers; a step-interval scheduler whose optimizer skipped is held.
+8. Lightning steps the LR schedulers; a step-interval scheduler whose optimizer skipped is held.
 """
 
 from __future__ import annotations
@@ -23,16 +36,20 @@ from collections.abc import Generator
 from typing import Any, Callable, Optional, Union
 
 import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
+from lightning_mp.master import MasterWeights, attach_master_weights, cast_module_, fp32_values, parse_master_weights
 from lightning_mp.modes import AUTO, MODES, PLANNED, auto_choice, PrecisionMode, parse_precision, provisional_lightning_precision, resolve_mode
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, StepStats
@@ -64,9 +81,13 @@ class MPPlugin(MixedPrecision):
         trainer.fit(model)
         print(trainer.precision_plugin.stats)   # steps, skipped_steps, loss_scale, ...
 
+        # bf16 weights with fp32 master weights; routers kept in fp32 besides the default norms/softmax/losses
+        MPPlugin("bf16-true", master_weights="fp32", fp32_modules=["defaults", "*.router"])
+
     Args:
-        precision: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"`` or ``"auto"``; Lightning's strings
-            (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ...) are accepted as aliases.
+        precision: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"bf16-true"``, ``"fp16-true"`` or
+            ``"auto"``; Lightning's strings (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"16-true"``, ...)
+            are accepted as aliases.
         init_scale: first loss scale (fp16).
         growth_factor: scale growth after ``growth_interval`` clean steps (fp16).
         backoff_factor: scale backoff on overflow (fp16).
@@ -89,6 +110,18 @@ class MPPlugin(MixedPrecision):
             optimization, so the next forward pass does not hold last step's gradients (Lightning zeroes
             them only after ``training_step``). Ignored when the LightningModule overrides
             ``optimizer_zero_grad``.
+        fp32_modules: modules that run in fp32 (autocast off, fp32 inputs; in true-half modes their parameters
+            and buffers stay fp32 too): class names (``"LayerNorm"``, ``"*BatchNorm*"``), module-name patterns
+            (``"*.router"``, ``"lm_head"``), module classes (from Python), and ``"defaults"`` for the default
+            set (norms, softmax, loss modules; see :data:`lightning_mp.guards.DEFAULT_FP32_MODULES`).
+            ``None`` (default): the defaults; ``[]``: no guards.
+        master_weights: how updates to half-precision weights keep their precision (``bf16-true`` and
+            ``fp16-true`` only): ``"fp32"`` (default: fp32 master copies stepped by the optimizer),
+            ``"kahan"`` (a half-precision compensation buffer per parameter), ``"stochastic"`` (stochastic
+            rounding of each updated weight) or ``"none"`` (plain half weights, as Lightning's ``bf16-true``);
+            ``True``/``False`` are short for ``"fp32"``/``"none"``.
+            See :mod:`lightning_mp.master`. With ``"fp32"`` gradients live on the masters: read them from
+            ``optimizer.param_groups``, not from the model's parameters.
     """
 
     def __init__(
@@ -109,6 +142,8 @@ class MPPlugin(MixedPrecision):
         hold_schedulers_on_skip: bool = True,
         tf32: Optional[bool] = None,
         release_grads_after_step: bool = True,
+        fp32_modules: Optional[list[str]] = None,
+        master_weights: Optional[Union[str, bool]] = None,
     ) -> None:
         # deliberately not MixedPrecision.__init__: it needs the device up front and knows two modes only
         self._requested = parse_precision(precision)
@@ -146,6 +181,8 @@ class MPPlugin(MixedPrecision):
             raise ValueError(f"tf32={tf32!r} is invalid: use true, false, or null (the mode's default).")
         # validate the scaler arguments now, whatever the mode, so YAML typos fail before training
         self._make_scaler("cpu", scaling=True)
+        self.fp32_guards = FP32GuardSpec.from_arg(fp32_modules)
+        self._master_weights_arg = None if master_weights is None else parse_master_weights(master_weights)
 
         self.skip_nonfinite = skip_nonfinite
         self.max_consecutive_skips = max_consecutive_skips
@@ -165,8 +202,14 @@ class MPPlugin(MixedPrecision):
         self._lagged_consecutive = _LaggedRead()
         self._auto_device: Optional[str] = None
         self._device_for_state: Optional[torch.device] = None
+        self._converted: Optional[torch.nn.Module] = None  # the module convert_module guarded (and cast)
+        self._masters: Optional[MasterWeights] = None
+        self._ddp_accumulation_warned = False
+        self._fp32_weights_in_checkpoint: dict[str, Tensor] = {}
         if self._requested in PLANNED:
             resolve_mode(self._requested, self.device)  # raises: known name, not runnable in this release
+        if self._requested == AUTO:
+            self._check_master_weights_argument(MODES[auto_choice(self.device)[0]])  # auto never picks true-half
         if self._requested != AUTO:
             # the hardware check waits for setup, where the Trainer's real device is known
             self._setup_mode(MODES[self._requested])
@@ -182,7 +225,28 @@ class MPPlugin(MixedPrecision):
             kw["max_scale"] = max(kw["max_scale"], float(loss_scale))
         return DynamicLossScaler(device, **kw, dynamic=loss_scale is None, scaling=scaling)
 
+    @property
+    def master_weights(self) -> Optional[str]:
+        """The master-weights option in force: ``None`` unless the mode is ``bf16-true``/``fp16-true``."""
+        if self.mode is None or not self.mode.true_half:
+            return None
+        return self._master_weights_arg or "fp32"
+
+    @property
+    def masters(self) -> Optional[MasterWeights]:
+        """The master weights attached to the optimizers (``None`` before set-up and for ``"none"``)."""
+        return self._masters
+
+    def _check_master_weights_argument(self, mode: PrecisionMode) -> None:
+        if self._master_weights_arg is not None and not mode.true_half:
+            raise ValueError(
+                f"master_weights={self._master_weights_arg!r} applies to half-precision weights, but"
+                f" precision={mode.name!r} keeps fp32 weights (there is no master copy to keep)."
+                " Use precision='bf16-true' or 'fp16-true', or leave master_weights unset."
+            )
+
     def _setup_mode(self, mode: PrecisionMode) -> None:
+        self._check_master_weights_argument(mode)
         previous = self.scaler
         self.mode = mode
         self.precision = mode.lightning_precision  # type: ignore[assignment]
@@ -201,7 +265,7 @@ class MPPlugin(MixedPrecision):
         if changed and not self.mode.needs_scaler:
             rank_zero_warn(
                 f"MPPlugin: {', '.join(changed)} set, but precision={self.mode.name!r} does not scale the loss;"
-                " loss-scaling arguments take effect with precision='fp16'."
+                " loss-scaling arguments take effect with precision='fp16' or 'fp16-true'."
             )
 
     def set_precision(self, precision: str) -> PrecisionMode:
@@ -220,6 +284,14 @@ class MPPlugin(MixedPrecision):
         mode = resolve_mode(name, self.device)
         if self.mode is not None and mode.name == self.mode.name:
             return mode
+        if self._converted is not None and (mode.true_half or (self.mode is not None and self.mode.true_half)):
+            current = self.mode.name if self.mode is not None else self._requested
+            raise ValueError(
+                f"set_precision({precision!r}): cannot switch from precision={current!r} to {mode.name!r} during"
+                " training: the weights' dtype and the optimizers' master weights are fixed when training starts."
+                " Switch among 'fp32', 'tf32', 'bf16' and 'fp16', or save a checkpoint and resume it in the other"
+                " mode (master weights carry over)."
+            )
         self._setup_mode(mode)
         if self.scaler is not None and self._device_for_state is not None:
             self.scaler.ensure_initialized(self._device_for_state)
@@ -253,7 +325,34 @@ class MPPlugin(MixedPrecision):
             self.scaler.sync_across_ranks = _world_size() > 1
         self._apply_tf32()
         self._hold_schedulers(module, optimizers, lr_schedulers)
+        self._attach_master_weights(module, model, optimizers)
         return model, optimizers, lr_schedulers
+
+    def _attach_master_weights(self, module: Optional[LightningModule], model: Any, optimizers: list) -> None:
+        assert self.mode is not None
+        if not self.mode.true_half or self.master_weights == "none" or not optimizers:
+            return
+        raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
+        for opt in raw:
+            if isinstance(opt, LBFGS):
+                raise MisconfigurationException(
+                    f"MPPlugin(precision={self.mode.name!r}, master_weights={self.master_weights!r}) cannot step"
+                    " LBFGS (it re-evaluates its closure inside the step). Use master_weights='none' with LBFGS."
+                )
+        self._masters = attach_master_weights(raw, self.master_weights, module=module or model, existing=self._masters)
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
+        if (
+            self.master_weights == "fp32"
+            and accumulate > 1
+            and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            and not self._ddp_accumulation_warned
+        ):
+            rank_zero_warn(
+                "MPPlugin: under DDP, the gradients of accumulated micro-batches add up in half precision until DDP's"
+                " all-reduce (it reduces the parameters' own .grad); they go to the fp32 masters on the last one."
+            )
+            self._ddp_accumulation_warned = True
 
     def _apply_tf32(self) -> None:
         assert self.mode is not None
@@ -303,6 +402,23 @@ class MPPlugin(MixedPrecision):
             self._patched_module = None
         super().teardown()
 
+    # ------------------------------------------------------------------ the module
+    @override
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
+        guarded = apply_fp32_guards(module, self.fp32_guards)
+        if self.mode is not None and self.mode.true_half:
+            cast_module_(module, self.mode.param_dtype, keep_fp32=guarded)
+        self._converted = module
+        return module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        dtype = self.mode.param_dtype if self.mode is not None else None
+        if dtype is None:
+            return data
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=dtype)
+
     # ------------------------------------------------------------------ forward
     @override
     def autocast_context_manager(self) -> Any:
@@ -315,6 +431,12 @@ class MPPlugin(MixedPrecision):
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
+        param_dtype = self.mode.param_dtype if self.mode is not None else None
+        if param_dtype is not None:
+            # as Lightning's HalfPrecision: tensors made in forward match the half weights
+            with _DtypeContextManager(param_dtype):
+                yield
+            return
         with self.autocast_context_manager():
             yield
 
@@ -326,6 +448,13 @@ class MPPlugin(MixedPrecision):
         return Precision.pre_backward(self, tensor, module)
 
     @override
+    def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        tensor = Precision.post_backward(self, tensor, module)  # on_after_backward hooks see the half gradients
+        if self._masters is not None and _grads_synced(module):
+            self._masters.carry_grads_()
+        return tensor
+
+    @override
     def optimizer_step(  # type: ignore[override]
         self,
         optimizer: Optimizer,
@@ -334,7 +463,7 @@ class MPPlugin(MixedPrecision):
         **kwargs: Any,
     ) -> Any:
         scaler = self.scaler
-        if scaler is None:
+        if scaler is None and self._masters is None:
             step_output = Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
         else:
             step_output = self._guarded_step(scaler, optimizer, model, closure, **kwargs)
@@ -347,7 +476,12 @@ class MPPlugin(MixedPrecision):
         return step_output
 
     def _guarded_step(
-        self, scaler: DynamicLossScaler, optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
+        self,
+        scaler: Optional[DynamicLossScaler],
+        optimizer: Optimizer,
+        model: LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
     ) -> Any:
         if isinstance(optimizer, LBFGS):
             raise MisconfigurationException(
@@ -357,12 +491,26 @@ class MPPlugin(MixedPrecision):
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: no backward ran, nothing to step
+        masters = self._masters
+        if masters is not None:
+            masters.prepare(optimizer)  # fp32 gradients (and parameters) for unscaling, hooks, clipping, step
+        if scaler is None:  # master weights without the inf/NaN check (skip_nonfinite=False)
+            self._after_closure(model, optimizer)
+            optimizer.step(**kwargs)
+            assert masters is not None
+            masters.finish(optimizer, skipped=False)
+            return closure_result
         scaler.begin_step()
         if scaler.scaling:
             scaler.unscale_once_(optimizer)  # hooks and clipping must see true gradients
         self._after_closure(model, optimizer)
         scaler.unscale_once_(optimizer)  # without scaling: the check, unless clipping by norm gave the verdict
         step_output = scaler.step(optimizer, **kwargs)
+        if masters is not None:
+            skipped = scaler.last_skipped_host
+            # fused optimizers skip on the device: the verdict stays there (no host sync)
+            found_inf = _found_inf(scaler, optimizer) if skipped is None else None
+            masters.finish(optimizer, skipped=skipped, found_inf=found_inf)
         scaler.update()
         self._skip_records[id(optimizer)] = (
             scaler.last_skipped_host if scaler.last_skipped_host is not None else scaler.counters_tensor()[3].clone()
@@ -410,6 +558,8 @@ class MPPlugin(MixedPrecision):
         if clip_val <= 0:
             return
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer in manual optimization
+        if self._masters is not None:
+            self._masters.prepare(optimizer)  # clip the fp32 gradients the optimizer will step
         if self.scaler is not None and self.scaler.scaling:
             # manual optimization clips before opt.step(): unscale first so the clip sees true gradients
             self.scaler.unscale_once_(optimizer)
@@ -429,6 +579,8 @@ class MPPlugin(MixedPrecision):
         state: dict[str, Any] = {"mode": mode}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
+        if self._masters is not None:
+            state["master_weights"] = self._masters.state_dict()
         return state
 
     @override
@@ -456,12 +608,81 @@ class MPPlugin(MixedPrecision):
                 self.scaler.load_state_dict(scaler_state)
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"The checkpoint's loss-scaler state is corrupted: {err}") from err
+        self._load_master_weights(state_dict.get("master_weights"))
+
+    def _load_master_weights(self, saved: Any) -> None:
+        current = self.master_weights
+        saved_kind = saved.get("kind") if isinstance(saved, dict) else None
+        if saved is not None and saved_kind is None:
+            raise ValueError("The checkpoint's master-weights state is corrupted: it has no 'kind'.")
+        if self._masters is not None:
+            if saved is None:
+                fp32, self._fp32_weights_in_checkpoint = self._fp32_weights_in_checkpoint, {}
+                if fp32:
+                    self._masters.load_fp32_values(fp32)
+                rank_zero_warn(
+                    f"MPPlugin: the checkpoint holds no master weights; master_weights={current!r} starts from the"
+                    + (" checkpoint's fp32 weights." if fp32 else " checkpoint's half-precision weights.")
+                )
+                return
+            if saved_kind != current:
+                rank_zero_warn(
+                    f"MPPlugin: the checkpoint's master weights are {saved_kind!r}, training resumes with"
+                    f" master_weights={current!r}: converted through their fp32 values."
+                )
+            self._masters.load_state_dict(saved)
+            return
+        if saved is None:
+            return
+        # no master weights now: fp32 weights (a mixed mode) take the masters' values exactly
+        module = self._converted
+        params = dict(module.named_parameters()) if module is not None else {}
+        values = fp32_values(saved, params)
+        restored = 0
+        with torch.no_grad():
+            for name, value in values.items():
+                param = params.get(name)
+                if param is not None and param.dtype == torch.float32 and param.shape == value.shape:
+                    param.copy_(value)
+                    restored += 1
+        if not restored:
+            rank_zero_warn(
+                f"MPPlugin: the checkpoint's {saved_kind!r} master weights are not used: precision="
+                f"{self.mode.name if self.mode is not None else self._requested!r}"
+                + (" with master_weights='none' trains the half weights alone." if current == "none" else ".")
+            )
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # a mixed-precision checkpoint resumed in a true-half mode: its fp32 weights become the masters
+        module_state = checkpoint.get("state_dict")
+        self._fp32_weights_in_checkpoint = (
+            {k: v for k, v in module_state.items() if isinstance(v, Tensor) and v.dtype == torch.float32}
+            if self._masters is not None and isinstance(module_state, dict)
+            else {}
+        )
         # a checkpoint written with Lightning's precision="16-mixed" keeps its scale when resumed here
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint:
             self.load_state_dict(checkpoint["MixedPrecision"])
+        elif type(self).__qualname__ not in checkpoint and self._masters is not None:
+            self._load_master_weights(None)
+
+
+def _grads_synced(module: Any) -> bool:
+    """False inside DDP's ``no_sync`` (accumulation): DDP still has to all-reduce the parameters' own gradients."""
+    trainer = getattr(module, "_trainer", None)
+    model = trainer.strategy.model if trainer is not None else None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return bool(model.require_backward_grad_sync)
+    return True
+
+
+def _found_inf(scaler: DynamicLossScaler, optimizer: Optimizer) -> Optional[Tensor]:
+    """This step's inf/NaN verdict for ``optimizer`` as a device tensor (read before ``update()`` resets it)."""
+    found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+    if not found:
+        return None
+    return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
 
 
 def _world_size() -> int:

@@ -44,7 +44,7 @@ def test_plugin_rejects_bad_precision_at_construction():
         MPPlugin("fp64")
 
 
-@pytest.mark.parametrize("name", ["bf16-true", "fp16-true", "fp8"])
+@pytest.mark.parametrize("name", ["fp8"])
 def test_planned_modes_fail_clearly(name):
     with pytest.raises(NotImplementedError, match=f"precision='{name}'.*use precision="):
         MPPlugin(name)
@@ -56,7 +56,8 @@ def test_mode_table():
     assert MODES["fp16"].autocast_dtype is torch.float16
     assert MODES["fp32"].autocast_dtype is None and MODES["fp32"].tf32 is False
     assert MODES["tf32"].tf32 is True
-    assert {m.lightning_precision for m in MODES.values()} == {"32-true", "bf16-mixed", "16-mixed"}
+    assert {m.lightning_precision for m in MODES.values()} == {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"}
+    assert MODES["bf16-true"].param_dtype is torch.bfloat16 and MODES["fp16-true"].needs_scaler
     assert set(ALIASES.values()) <= set(accepted_names())
 
 
@@ -66,7 +67,7 @@ def test_auto_on_cpu_is_bf16_and_says_why(caplog):
 
     from conftest import TinyRegressor, make_trainer
 
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         make_trainer(MPPlugin("auto"), max_steps=1).fit(TinyRegressor())
     chosen = [r.getMessage() for r in caplog.records if "precision='auto'" in r.getMessage()]
     assert chosen == ["MPPlugin(precision='auto') chose 'bf16' on cpu: bf16 autocast is the fastest safe mode on the CPU."]

@@ -1,0 +1,340 @@
+"""FP32 guards: run chosen modules (norms, softmax, losses, routers, ...) in fp32 inside a low-precision model.
+
+The guides ask for softmax, losses, LayerNorm/BatchNorm statistics and large reductions in fp32. A guarded
+module runs with autocast turned off on fp32 inputs; in true-half modes its parameters and buffers also stay
+fp32 (see :func:`lightning_mp.master.cast_module_`) and its outputs go back to the model's dtype.
+
+Example::
+
+    from torch import nn
+    from lightning_mp.guards import apply_fp32_guards
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
+    apply_fp32_guards(model)                       # the default set: ['1'] (the LayerNorm)
+    apply_fp32_guards(model, ["defaults", "2"])     # add the last Linear by name: ['1', '2']
+
+Selection (``fp32_modules``) is a list of
+
+* module classes (``nn.LayerNorm``): the module is an instance of one;
+* strings, each matched (``fnmatch``-style, case-sensitive) against the module's class name and the names of
+  its base classes (``"LayerNorm"``, ``"*BatchNorm*"``, also ``"package.module.ClassName"``), and against its
+  fully qualified name in the model or any dotted suffix of it (``"lm_head"`` matches ``model.lm_head``,
+  ``"*.router"`` matches ``blocks.3.moe.router``);
+* the string ``"defaults"``, which stands for :data:`DEFAULT_FP32_MODULES`.
+
+``None`` means the defaults; an empty list turns the guards off.
+
+Rule for outputs (modules and the ``fp32_*`` functions alike): under autocast they stay fp32, as autocast's own
+fp32 operations return; without autocast (true-half modes) they go back to the 16-bit dtype the inputs came in,
+so the next half-precision layer receives what it expects. Loss modules (a class name ending in ``Loss``) keep
+fp32 outputs always: a loss feeds backward and logging, not a half-precision layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map_only
+
+#: modules kept in fp32 when ``fp32_modules`` is not given (class-name patterns; base classes count)
+DEFAULT_FP32_MODULES: tuple[str, ...] = (
+    "*LayerNorm",
+    "*RMSNorm",
+    "GroupNorm",
+    "*BatchNorm*",
+    "*InstanceNorm*",
+    "LocalResponseNorm",
+    "Softmax",
+    "Softmin",
+    "LogSoftmax",
+    "Softmax2d",
+    "*Loss",
+)
+
+DEFAULTS_TOKEN = "defaults"
+
+_LOW = (torch.float16, torch.bfloat16)
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+_GUARD_ATTR = "_lightning_mp_fp32_guard"
+
+FP32ModuleSpec = Union[str, type]
+
+
+@dataclass(frozen=True)
+class FP32GuardSpec:
+    """Which modules run in fp32: class-name / module-name patterns and classes.
+
+    Example::
+
+        spec = FP32GuardSpec.from_arg(["defaults", "*.router", MyNorm])
+        spec.matches("blocks.0.moe.router", module)
+    """
+
+    patterns: tuple[str, ...] = DEFAULT_FP32_MODULES
+    classes: tuple[type, ...] = ()
+
+    @classmethod
+    def from_arg(cls, value: Optional[Sequence[FP32ModuleSpec]]) -> FP32GuardSpec:
+        """Build the spec from ``fp32_modules`` (``None``: the defaults; ``[]``: nothing).
+
+        Raises:
+            ValueError: for an entry that is neither a non-empty string nor an ``nn.Module`` subclass.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise ValueError(
+                f"fp32_modules={value!r} is invalid: use a list of class names, module-name patterns or module"
+                f" classes (e.g. ['{DEFAULTS_TOKEN}', '*.router']), [] for none, or null for the defaults."
+            )
+        patterns: list[str] = []
+        classes: list[type] = []
+        for entry in value:
+            if isinstance(entry, str) and entry.strip():
+                entry = entry.strip()
+                if entry == DEFAULTS_TOKEN:
+                    patterns.extend(p for p in DEFAULT_FP32_MODULES if p not in patterns)
+                elif entry not in patterns:
+                    patterns.append(entry)
+            elif isinstance(entry, type) and issubclass(entry, nn.Module):
+                if entry not in classes:
+                    classes.append(entry)
+            else:
+                raise ValueError(
+                    f"fp32_modules entry {entry!r} is invalid: use a class name (e.g. 'LayerNorm'), a module-name"
+                    f" pattern (e.g. '*.router', 'lm_head'), '{DEFAULTS_TOKEN}', or an nn.Module subclass."
+                )
+        return cls(tuple(patterns), tuple(classes))
+
+    @property
+    def empty(self) -> bool:
+        return not self.patterns and not self.classes
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        """Whether the module called ``name`` (its fully qualified name in the model) is guarded."""
+        if self.classes and isinstance(module, self.classes):
+            return True
+        if not self.patterns:
+            return False
+        suffixes = _dotted_suffixes(name)
+        class_names = [n for c in type(module).__mro__ if c not in (nn.Module, object) for n in _class_names(c)]
+        return any(
+            fnmatch.fnmatchcase(candidate, pattern)
+            for pattern in self.patterns
+            for candidate in (*suffixes, *class_names)
+        )
+
+
+def _dotted_suffixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[i:]) for i in range(len(parts))] if name else []
+
+
+def _class_names(cls: type) -> tuple[str, str]:
+    return cls.__name__, f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _keeps_fp32_output(module: nn.Module) -> bool:
+    return any(c.__name__.endswith("Loss") for c in type(module).__mro__)
+
+
+# --------------------------------------------------------------------------------------------- regions
+def _autocast_enabled() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+
+
+@contextlib.contextmanager
+def fp32_region() -> Iterator[None]:
+    """A block of code that runs in fp32: autocast off (on every device) and fp32 as the default dtype.
+
+    Tensors coming in keep their dtype: cast half-precision ones with ``.float()`` inside.
+
+    Example::
+
+        with fp32_region():
+            logits = router(x.float())          # fp32 matmul even under bf16 autocast
+            probs = logits.softmax(-1)
+    """
+    with contextlib.ExitStack() as stack:
+        for device in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        previous = torch.get_default_dtype()
+        if previous is not torch.float32:
+            torch.set_default_dtype(torch.float32)
+            stack.callback(torch.set_default_dtype, previous)
+        yield
+
+
+def _result_dtype(x: Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    if x.dtype in _LOW and not _autocast_enabled():
+        return x.dtype
+    return torch.float32 if x.is_floating_point() and x.dtype != torch.float64 else x.dtype
+
+
+def _up(x: Tensor) -> Tensor:
+    return x.float() if x.dtype in _LOW else x
+
+
+def fp32_softmax(x: Tensor, dim: int, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``softmax(x, dim)`` computed in fp32 (autocast off, input upcast).
+
+    The result is fp32 under autocast and ``x``'s dtype otherwise (true-half), unless ``dtype`` says.
+
+    Example::
+
+        probs = fp32_softmax(scores, dim=-1)      # attention probabilities, then ``probs @ v``
+    """
+    out = _result_dtype(x, dtype)
+    with fp32_region():
+        return F.softmax(_up(x), dim=dim).to(out)
+
+
+def fp32_log_softmax(x: Tensor, dim: int, *, dtype: Optional[torch.dtype] = None) -> Tensor:
+    """``log_softmax(x, dim)`` computed in fp32; result dtype as :func:`fp32_softmax`."""
+    out = _result_dtype(x, dtype)
+    with fp32_region():
+        return F.log_softmax(_up(x), dim=dim).to(out)
+
+
+def fp32_layer_norm(
+    x: Tensor,
+    normalized_shape: Union[int, Sequence[int]],
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    *,
+    dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """``layer_norm`` with statistics, affine parameters and output computed in fp32.
+
+    Result dtype as :func:`fp32_softmax`.
+
+    Example::
+
+        h = fp32_layer_norm(h, h.shape[-1], self.ln_weight, self.ln_bias)
+    """
+    out = _result_dtype(x, dtype)
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    with fp32_region():
+        return F.layer_norm(
+            _up(x), shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps
+        ).to(out)
+
+
+# --------------------------------------------------------------------------------------------- module guards
+class FP32Guard:
+    """The forward hooks that run one module in fp32 (installed by :func:`apply_fp32_guards`).
+
+    The pre-hook opens an :func:`fp32_region` and upcasts fp16/bf16 tensors among the arguments; the forward
+    hook (``always_call``: it runs even when forward raises) closes the region and, without autocast, casts
+    fp32 outputs back to the 16-bit dtype of the inputs.
+    """
+
+    def __init__(self, keep_fp32_output: bool) -> None:
+        self.keep_fp32_output = keep_fp32_output
+        self.handles: list[Any] = []
+        self._open: list[tuple[contextlib.ExitStack, Optional[torch.dtype]]] = []
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        low: list[torch.dtype] = []
+
+        def up(t: Tensor) -> Tensor:
+            if t.dtype in _LOW:
+                low.append(t.dtype)
+                return t.float()
+            return t
+
+        args, kwargs = tree_map_only(Tensor, up, (args, kwargs))
+        back = None if (self.keep_fp32_output or not low or _autocast_enabled()) else low[0]
+        stack = contextlib.ExitStack()
+        stack.enter_context(fp32_region())
+        self._open.append((stack, back))
+        return args, kwargs
+
+    def after(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not self._open:
+            return None
+        stack, back = self._open.pop()
+        stack.close()
+        if back is None or output is None:
+            return None
+        return tree_map_only(Tensor, lambda t: t.to(back) if t.dtype == torch.float32 else t, output)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def guarded_modules(module: nn.Module, spec: Union[FP32GuardSpec, Sequence[FP32ModuleSpec], None] = None) -> list[str]:
+    """Fully qualified names of the modules ``spec`` selects in ``module``, outermost only (the root excluded).
+
+    A selected module's children run inside its fp32 region, so they are not listed separately.
+    """
+    spec = spec if isinstance(spec, FP32GuardSpec) else FP32GuardSpec.from_arg(spec)
+    if spec.empty:
+        return []
+    names: list[str] = []
+    for name, sub in module.named_modules():
+        if not name or any(name.startswith(outer + ".") for outer in names):
+            continue
+        if spec.matches(name, sub):
+            names.append(name)
+    return names
+
+
+def apply_fp32_guards(
+    module: nn.Module, spec: Union[FP32GuardSpec, Sequence[FP32ModuleSpec], None] = None
+) -> list[str]:
+    """Guard the modules ``spec`` selects (``None``: :data:`DEFAULT_FP32_MODULES`), in place; idempotent.
+
+    Each guarded module runs with autocast off on fp32 inputs (see the module docstring for outputs). The
+    change is in place, on the submodules themselves, so it survives wrappers such as DDP that discard a
+    converted copy. Returns the guarded names (outermost only), e.g. ``['blocks.0.ln1', 'head.loss']``.
+    Parameter dtypes are not touched here: :func:`lightning_mp.master.cast_module_` keeps these fp32.
+
+    Example::
+
+        names = apply_fp32_guards(model, ["defaults", "*.router"])
+    """
+    names = guarded_modules(module, spec)
+    for name in names:
+        sub = module.get_submodule(name)
+        if isinstance(sub.__dict__.get(_GUARD_ATTR), FP32Guard) and sub.__dict__[_GUARD_ATTR].handles:
+            continue
+        guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub))
+        # both first in line: other pre-hooks run inside the fp32 region on fp32 inputs, and other forward
+        # hooks see the output as the next layer receives it
+        guard.handles = [
+            sub.register_forward_pre_hook(guard.before, with_kwargs=True, prepend=True),
+            sub.register_forward_hook(guard.after, always_call=True, prepend=True),
+        ]
+        sub.__dict__[_GUARD_ATTR] = guard
+    return names
+
+
+def remove_fp32_guards(module: nn.Module) -> list[str]:
+    """Remove every FP32 guard inside ``module`` (parameters keep their dtype); returns the names unguarded."""
+    removed = []
+    for name, sub in module.named_modules():
+        guard = sub.__dict__.pop(_GUARD_ATTR, None)
+        if isinstance(guard, FP32Guard):
+            guard.remove()
+            removed.append(name)
+    return removed
+
+
+def fp32_guard_of(module: nn.Module) -> Optional[FP32Guard]:
+    """The guard installed on this very module, if any."""
+    guard = module.__dict__.get(_GUARD_ATTR)
+    return guard if isinstance(guard, FP32Guard) and guard.handles else None

@@ -1,0 +1,298 @@
+"""FP32 guards (lightning_mp/guards.py): selection, dtypes inside guarded modules, the numbers they save."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_trainer
+from lightning.pytorch import LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MPPlugin
+from lightning_mp.guards import (
+    DEFAULT_FP32_MODULES,
+    FP32GuardSpec,
+    apply_fp32_guards,
+    fp32_guard_of,
+    fp32_layer_norm,
+    fp32_log_softmax,
+    fp32_region,
+    fp32_softmax,
+    guarded_modules,
+    remove_fp32_guards,
+)
+from lightning_mp.master import cast_module_
+
+
+class LlamaRMSNorm(nn.Module):
+    """A hand-written RMSNorm, as in many model zoos: overflows fp16 when |x| > 256 unless guarded."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class NaiveSoftmax(nn.Module):
+    """exp / sum(exp): overflows fp16 for logits above ~11 unless guarded."""
+
+    def forward(self, x):
+        e = x.exp()
+        return e / e.sum(-1, keepdim=True)
+
+
+class Zoo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.proj = nn.Linear(8, 8)
+        self.ln = nn.LayerNorm(8)
+        self.rms = nn.RMSNorm(8)
+        self.my_rms = LlamaRMSNorm(8)
+        self.gn = nn.GroupNorm(2, 8)
+        self.bn1 = nn.BatchNorm1d(8)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.sync_bn = nn.SyncBatchNorm(8)
+        self.inorm = nn.InstanceNorm1d(8)
+        self.softmax = nn.Softmax(-1)
+        self.log_softmax = nn.LogSoftmax(-1)
+        self.moe = nn.ModuleDict({"router": nn.Linear(8, 4), "expert": nn.Linear(8, 8)})
+        self.lm_head = nn.Linear(8, 10)
+        self.loss = nn.CrossEntropyLoss()
+        self.mse = nn.MSELoss()
+        self.block = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8))  # a composite: only its LayerNorm
+
+
+DEFAULT_NAMES = [
+    "ln", "rms", "my_rms", "gn", "bn1", "bn2", "sync_bn", "inorm", "softmax", "log_softmax", "loss", "mse", "block.0",
+]
+
+
+def test_default_set_guards_norms_softmax_and_losses_only():
+    assert apply_fp32_guards(Zoo()) == DEFAULT_NAMES
+    assert apply_fp32_guards(Zoo(), None) == apply_fp32_guards(Zoo(), ["defaults"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ([], []),
+        (["Linear"], ["proj", "moe.router", "moe.expert", "lm_head", "block.1"]),
+        (["*.router"], ["moe.router"]),
+        (["router"], ["moe.router"]),  # a bare name matches any dotted suffix
+        (["lm_head", "moe.*"], ["moe.router", "moe.expert", "lm_head"]),
+        ([nn.Embedding, "torch.nn.modules.normalization.GroupNorm"], ["embed", "gn"]),
+        (["defaults", "*.router", nn.Embedding], ["embed", *DEFAULT_NAMES[:12], "moe.router", "block.0"]),
+        (["block"], ["block"]),  # a composite module guards its whole subtree; its children are not listed
+        (["_BatchNorm"], ["bn1", "bn2", "sync_bn"]),  # base-class names count
+    ],
+)
+def test_selection_by_class_name_pattern_suffix_and_class(spec, expected):
+    assert sorted(apply_fp32_guards(Zoo(), spec)) == sorted(expected)
+
+
+def test_selection_spec_from_a_nested_module_name():
+    wrapper = nn.ModuleDict({"model": Zoo()})
+    assert "model.lm_head" in guarded_modules(wrapper, ["lm_head"])
+    assert guarded_modules(wrapper, ["model"]) == ["model"]
+
+
+@pytest.mark.parametrize("bad", [[3], [""], "LayerNorm", [int], [nn.LayerNorm(4)], 5])
+def test_bad_fp32_modules_raise_with_the_value(bad):
+    with pytest.raises(ValueError, match="fp32_modules"):
+        FP32GuardSpec.from_arg(bad)
+    with pytest.raises(ValueError, match="fp32_modules"):
+        MPPlugin("bf16", fp32_modules=bad)
+
+
+def test_guards_are_idempotent_removable_and_survive_copies():
+    model = Zoo()
+    apply_fp32_guards(model)
+    apply_fp32_guards(model)
+    assert len(model.ln._forward_pre_hooks) == 1 and len(model.ln._forward_hooks) == 1
+    assert fp32_guard_of(model.ln) is not None and fp32_guard_of(model.proj) is None
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert fp32_guard_of(copied.ln) is not None
+        assert apply_fp32_guards(copied) == DEFAULT_NAMES
+        assert len(copied.ln._forward_pre_hooks) == 1
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert copied.ln(copied.proj(torch.randn(2, 8))).dtype == torch.float32
+    assert sorted(remove_fp32_guards(model)) == sorted(DEFAULT_NAMES)
+    assert not model.ln._forward_pre_hooks and fp32_guard_of(model.ln) is None
+
+
+# --------------------------------------------------------------------------------------------- in a Trainer
+class Recording(nn.Module):
+    """Records, inside forward, the input dtype, the autocast state and the default dtype."""
+
+    def __init__(self, inner: nn.Module, log: list) -> None:
+        super().__init__()
+        self.inner = inner
+        self.log = log
+
+    def forward(self, x):
+        self.log.append((x.dtype, torch.is_autocast_enabled("cpu"), torch.get_default_dtype()))
+        return self.inner(x)
+
+
+class GuardedNet(LightningModule):
+    """Linear -> LayerNorm -> Linear -> router (Linear) + BatchNorm, MSELoss: guards recorded by hooks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside: dict[str, list] = {"norm": [], "router": [], "fc1": [], "bn": []}
+        self.outputs: dict[str, list] = {k: [] for k in ("fc1", "norm", "fc2", "router", "bn", "loss")}
+        self.fc1 = Recording(nn.Linear(8, 16), self.inside["fc1"])
+        self.norm = Recording(nn.LayerNorm(16), self.inside["norm"])
+        self.fc2 = nn.Linear(16, 16)
+        self.router = Recording(nn.Linear(16, 1), self.inside["router"])
+        self.bn = Recording(nn.BatchNorm1d(16), self.inside["bn"])
+        self.loss_fn = nn.MSELoss()
+        for name in self.outputs:
+            module = getattr(self, name if name != "loss" else "loss_fn")
+            module.register_forward_hook(lambda m, a, out, name=name: self.outputs[name].append(out.dtype))
+
+    def forward(self, x):
+        h = self.fc2(self.norm(self.fc1(x)))
+        return self.router(self.bn(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss_fn(self(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(32, 8, generator=g)
+        return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def scaler_args(mode: str) -> dict:
+    return {"init_scale": 2.0**8} if mode.startswith("fp16") else {}
+
+
+# the guarded containers are matched by name ("*LayerNorm" does not see through the Recording wrapper)
+GUARDS = ["norm", "router", "bn", "loss_fn"]
+
+
+@pytest.mark.parametrize(("mode", "low"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_under_autocast_guarded_modules_run_fp32_and_linears_stay_low(mode, low):
+    model = GuardedNet()
+    make_trainer(MPPlugin(mode, fp32_modules=GUARDS, **scaler_args(mode)), max_steps=2).fit(model)
+    # inside the guards: fp32 inputs, autocast off; outside: autocast on and the Linear computes in low precision
+    assert set(model.inside["norm"]) == set(model.inside["router"]) == {(torch.float32, False, torch.float32)}
+    assert set(model.inside["fc1"]) == {(torch.float32, True, torch.float32)}
+    assert set(model.outputs["fc1"]) == set(model.outputs["fc2"]) == {low}
+    assert set(model.outputs["router"]) == set(model.outputs["norm"]) == {torch.float32}  # autocast's rule
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize(("mode", "low"), [("bf16-true", torch.bfloat16), ("fp16-true", torch.float16)])
+def test_true_half_guards_keep_params_buffers_fp32_and_hand_back_half(mode, low):
+    model = GuardedNet()
+    mean0 = model.bn.inner.running_mean.clone()
+    make_trainer(MPPlugin(mode, fp32_modules=GUARDS, **scaler_args(mode)), max_steps=3).fit(model)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert {n: d for n, d in dtypes.items() if n.startswith(("fc1", "fc2"))} == dict.fromkeys(
+        ["fc1.inner.weight", "fc1.inner.bias", "fc2.weight", "fc2.bias"], low
+    )
+    assert all(d == torch.float32 for n, d in dtypes.items() if n.startswith(("norm", "router", "bn")))
+    bn = model.bn.inner
+    assert bn.running_mean.dtype == bn.running_var.dtype == torch.float32
+    assert not torch.equal(bn.running_mean, mean0)  # the statistics were updated, in fp32
+    assert model.dtype == low  # LightningModule.dtype reports the training dtype
+    # inside the guards fp32 (and fp32 as default dtype); outside, half inputs and half default dtype
+    assert set(model.inside["norm"]) == set(model.inside["bn"]) == {(torch.float32, False, torch.float32)}
+    assert set(model.inside["fc1"]) == {(low, False, low)}
+    # outputs go back to the model's dtype, except the loss module's
+    assert set(model.outputs["norm"]) == set(model.outputs["router"]) == set(model.outputs["fc2"]) == {low}
+    assert set(model.outputs["loss"]) == {torch.float32}
+
+
+# --------------------------------------------------------------------------------------------- numbers
+def test_guard_keeps_fp16_from_overflowing():
+    torch.manual_seed(0)
+    x = (torch.randn(4, 64) * 300).half()  # x^2 reaches ~1e6 (fp16 overflows at 65504)
+    reference = nn.Sequential(LlamaRMSNorm(64), nn.Linear(64, 64), NaiveSoftmax())
+    reference[1].weight.data.mul_(4.0)  # logits of ~20-40: exp overflows fp16 above ~11
+    unguarded = copy.deepcopy(reference).half()
+    guarded = copy.deepcopy(reference)
+    cast_module_(guarded, torch.float16, keep_fp32=apply_fp32_guards(guarded, ["*RMSNorm", "NaiveSoftmax"]))
+    assert guarded[0].weight.dtype == torch.float32 and guarded[1].weight.dtype == torch.float16
+
+    # unguarded: x^2 overflows, rsqrt(inf) = 0 wipes the activations; exp overflows, inf/inf = NaN
+    assert (unguarded[0](x) == 0).all()
+    logits = (torch.randn(4, 64) * 20).half()
+    assert torch.isnan(unguarded[2](logits)).any()
+    torch.testing.assert_close(guarded[2](logits).float(), F.softmax(logits.float(), -1), atol=1e-3, rtol=0)
+    # guarded: the same chain in fp32 where it matters, against fp64 with the fp16 Linear weights
+    result = guarded(x)
+    assert result.dtype == torch.float16 and torch.isfinite(result).all()
+    expected = copy.deepcopy(nn.Sequential(reference[0], guarded[1], reference[2])).double()(x.double())
+    torch.testing.assert_close(result.double(), expected, atol=2e-3, rtol=0)
+    assert (unguarded(x).double() - expected).abs().max() > 0.1
+    # the Linear between the guards still ran in fp16
+    seen = []
+    guarded[1].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    guarded(x)
+    assert seen == [torch.float16]
+
+
+def test_large_reduction_and_softmax_helpers():
+    logits = torch.full((1, 70000), 1.0).half()
+    assert torch.isinf(logits.sum())  # 70000 > 65504: an fp16 reduction overflows
+    with fp32_region():
+        assert logits.float().sum().item() == 70000.0
+    scores = torch.tensor([[12.0, 0.0, -20.0]]).half()
+    probs = fp32_softmax(scores, -1)
+    assert probs.dtype == torch.float16  # no autocast: back to the input's dtype
+    torch.testing.assert_close(probs.float(), F.softmax(scores.float(), -1).half().float())
+    assert fp32_softmax(scores, -1, dtype=torch.float32)[0, 2].item() > 0  # e^-32 survives in fp32
+    assert torch.isfinite(fp32_log_softmax(scores, -1)).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert fp32_softmax(scores.bfloat16(), -1).dtype == torch.float32  # autocast: fp32, as autocast's softmax
+        assert fp32_log_softmax(scores.bfloat16(), -1).dtype == torch.float32
+        x = torch.randn(2, 8).bfloat16()
+        ln = fp32_layer_norm(x, 8, torch.ones(8, dtype=torch.bfloat16), torch.zeros(8, dtype=torch.bfloat16))
+        assert ln.dtype == torch.float32
+        torch.testing.assert_close(ln, F.layer_norm(x.float(), (8,)))
+    assert fp32_layer_norm(torch.randn(2, 8).half(), [8]).dtype == torch.float16
+
+
+def test_fp32_region_turns_autocast_off_and_restores_everything():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with fp32_region():
+                assert not torch.is_autocast_enabled("cpu")
+                assert torch.get_default_dtype() == torch.float32
+                assert (torch.randn(2, 2) @ torch.randn(2, 2)).dtype == torch.float32
+            assert torch.is_autocast_enabled("cpu") and torch.get_default_dtype() == torch.bfloat16
+
+            class Boom(nn.Module):
+                def forward(self, x):
+                    raise RuntimeError("boom")
+
+            model = nn.Sequential(Boom())
+            apply_fp32_guards(model, ["Boom"])
+            with pytest.raises(RuntimeError, match="boom"):
+                model(torch.randn(2))
+            assert torch.is_autocast_enabled("cpu") and torch.get_default_dtype() == torch.bfloat16
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def test_default_list_is_documented_and_guards_off_with_an_empty_list():
+    assert "*LayerNorm" in DEFAULT_FP32_MODULES and "*Loss" in DEFAULT_FP32_MODULES
+    model = GuardedNet()
+    make_trainer(MPPlugin("bf16-true", fp32_modules=[]), max_steps=1).fit(model)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert fp32_guard_of(model.norm) is None
