@@ -1,0 +1,454 @@
+"""FP8 through Transformer Engine: MPPlugin("fp8") against MPPlugin("bf16") and Lightning's TransformerEnginePrecision.
+
+Trains the GPT-style decoder of ``bench_overhead.py`` (its builders are imported, not copied: same model, same
+initial weights, fused AdamW, random tokens) at two sizes, once per mode, all in one process:
+
+====================  =====================================================================================
+mp-bf16               ``MPPlugin("bf16")``: the reference for the fp32-master-weights target
+mp-fp8                ``MPPlugin("fp8")`` defaults: fp32 master weights, delayed scaling, the LM head in bf16
+mp-fp8-all            fp32 master weights, ``keep_last=0``, ``size_rule="off"`` and no FP32 guards: every linear
+                      and LayerNorm in TE (the fastest fp32-master configuration)
+mp-fp8-bf16w          ``MPPlugin("fp8", fp8={"weights": "bf16"})``: bf16 weights, no fp32 copy
+mp-fp8-bf16w-all      bf16 weights, ``keep_last=0``, ``size_rule="off"`` and no FP32 guards: the same layers in
+                      TE as Lightning's plugin (the LM head and LayerNorms too), for a like-for-like comparison
+lightning-te          ``Trainer(precision="transformer-engine")``: Lightning's TransformerEnginePrecision
+                      (bf16 weights, DelayedScaling, deprecated ``te.fp8_autocast`` each step)
+====================  =====================================================================================
+
+Targets: ``mp-fp8`` (and ``-all``) >= 1.6x ``mp-bf16``; ``mp-fp8-bf16w`` (and ``-all``) >= 1.0x ``lightning-te``.
+
+Per mode: ``--warmup`` steps, then ``--steps`` timed steps (CUDA events from ``on_train_batch_start`` to
+``on_train_batch_end``, median). tokens/s uses the median step; peak GiB is ``torch.cuda.max_memory_allocated``
+over the mode's whole run; ``FP8 share`` is the share of the model's linear-layer FLOPs (``sum in*out`` over
+``nn.Linear`` and ``te.Linear``; every linear sees the same tokens) that ran in Transformer Engine FP8 layers;
+MFU counts ``6 * n_params + 6 * layers * hidden * seq`` FLOPs per token against the bf16 ceiling
+(``--peak-tflops``, 782 on the H200), as bench_overhead.py does.
+
+Run on the GPU machine from the repository root (12 runs; estimated 4-5 minutes on an H200 with the defaults)::
+
+    source .te/te_install.sh && PYTHONPATH=. python benchmarks/bench_fp8.py --json fp8.json
+    PYTHONPATH=. python benchmarks/bench_fp8.py --sizes 1024:2:8:16 --seq 512 --vocab 4096 \\
+        --warmup 2 --steps 3      # smoke test
+
+While plugin.py has no fp8 wiring yet, the ``mp-fp8*`` modes use ``_InterimFP8Plugin`` below (``MPPlugin("bf16")``
+plus the proposed hook code); the output says which one ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import inspect
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_overhead import StepProbe, build_model, count_params, make_batches, make_optimizer, weights_fingerprint  # noqa: E402
+
+ALL_MODES = ("mp-bf16", "mp-fp8", "mp-fp8-all", "mp-fp8-bf16w", "mp-fp8-bf16w-all", "lightning-te")
+FP8_SETTINGS: dict[str, dict[str, Any]] = {
+    "mp-fp8": {},
+    "mp-fp8-all": {"keep_last": 0, "size_rule": "off"},
+    "mp-fp8-bf16w": {"weights": "bf16"},
+    "mp-fp8-bf16w-all": {"weights": "bf16", "keep_last": 0, "size_rule": "off"},
+}
+#: the Trainer's accelerator; a module global so the logic can be dry-run elsewhere
+ACCELERATOR = "gpu"
+#: (mode, reference, target speed ratio)
+TARGETS = (
+    ("mp-fp8", "mp-bf16", 1.6),
+    ("mp-fp8-all", "mp-bf16", 1.6),
+    ("mp-fp8-bf16w", "lightning-te", 1.0),
+    ("mp-fp8-bf16w-all", "lightning-te", 1.0),
+)
+
+
+# --------------------------------------------------------------------------------------------- the plugin
+def _interim_needed() -> bool:
+    from lightning_mp import MPPlugin
+
+    try:
+        MPPlugin("fp8", fp8={})
+        return False
+    except (NotImplementedError, TypeError):
+        return True
+
+
+def make_fp8_plugin(fp8: dict[str, Any], **kwargs: Any) -> Any:
+    """``MPPlugin("fp8", fp8=...)``, or the interim stand-in while plugin.py is not wired yet."""
+    from lightning_mp import MPPlugin
+
+    if not _interim_needed():
+        return MPPlugin("fp8", fp8=fp8, **kwargs)
+    return _interim_plugin_class()(fp8, **kwargs)
+
+
+def _interim_plugin_class() -> type:
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    from lightning_mp import MPPlugin
+    from lightning_mp.fp8 import FP8Training
+    from lightning_mp.plugin import _root_device, _unwrap_lightning_module
+
+    class _InterimFP8Plugin(MPPlugin):
+        """``MPPlugin("bf16")`` plus the FP8 hook wiring proposed for plugin.py. Delete once that lands."""
+
+        def __init__(self, fp8: dict[str, Any], **kwargs: Any) -> None:
+            super().__init__("bf16", **kwargs)
+            self._fp8 = FP8Training(fp8)
+            self.precision = "transformer-engine"  # type: ignore[assignment]
+
+        def convert_module(self, module: nn.Module) -> nn.Module:
+            module = super().convert_module(module)  # FP32 guards first, where they exist
+            if self._fp8.model is not module:
+                device = _root_device(_unwrap_lightning_module(module), module)
+                self._fp8.convert(module, device=device, announce=rank_zero_info)
+            return module
+
+        def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
+            out = super().connect(model, optimizers, lr_schedulers)
+            module = _unwrap_lightning_module(model)
+            self._fp8.check(_root_device(module, model))
+            trainer = getattr(module, "_trainer", None)
+            self._fp8.configure_weight_cache(
+                accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
+                automatic_optimization=module.automatic_optimization if module is not None else True,
+            )
+            self.precision = "transformer-engine"  # type: ignore[assignment]
+            return out
+
+        @contextlib.contextmanager
+        def train_step_context(self):
+            with self.forward_context(), self._fp8.autocast(training=True):
+                yield
+
+        @contextlib.contextmanager
+        def val_step_context(self):
+            with self.forward_context(), self._fp8.autocast(training=False):
+                yield
+
+        def optimizer_step(self, optimizer, model, closure, **kwargs):
+            out = super().optimizer_step(optimizer, model, closure, **kwargs)
+            self._fp8.weights_updated()
+            return out
+
+        def state_dict(self) -> dict:
+            state = super().state_dict()
+            state["fp8"] = self._fp8.state_dict()
+            return state
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            super().load_state_dict(state_dict)
+            self._fp8.load_state_dict(state_dict.get("fp8"))
+
+    return _InterimFP8Plugin
+
+
+def _mp_kwargs_without_guards() -> dict[str, Any]:
+    from lightning_mp import MPPlugin
+
+    return {"fp32_modules": []} if "fp32_modules" in inspect.signature(MPPlugin).parameters else {}
+
+
+# --------------------------------------------------------------------------------------------- measuring
+def fp8_linear_share(model: nn.Module) -> float:
+    """Share of ``sum(in * out)`` over all linear layers held by Transformer Engine linears."""
+    try:
+        import transformer_engine.pytorch as te
+
+        te_linear: tuple = (te.Linear,)
+    except ImportError:
+        te_linear = ()
+    fp8 = total = 0
+    for m in model.modules():
+        if te_linear and isinstance(m, te_linear):
+            fp8 += m.in_features * m.out_features
+            total += m.in_features * m.out_features
+        elif isinstance(m, nn.Linear):
+            total += m.in_features * m.out_features
+    return fp8 / total if total else 0.0
+
+
+def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -> dict[str, Any]:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+
+    from lightning_mp import MPPlugin
+
+    probe = StepProbe(args.warmup, args.steps, 0)
+
+    class LitGPT(LightningModule):
+        def __init__(self, model: nn.Module) -> None:
+            super().__init__()
+            self.model = model
+            self.last_loss: Optional[torch.Tensor] = None
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(batch)
+            self.last_loss = loss.detach()
+            return loss
+
+        def configure_optimizers(self):
+            return make_optimizer(self.parameters(), args.lr)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+
+    class Probe(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            probe.start()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            probe.end()
+
+    kwargs: dict[str, Any] = {}
+    plugin = None
+    if mode == "lightning-te":
+        kwargs["precision"] = "transformer-engine"
+    elif mode == "mp-bf16":
+        plugin = MPPlugin("bf16")
+    else:
+        extra = _mp_kwargs_without_guards() if mode.endswith("-all") else {}
+        plugin = make_fp8_plugin(FP8_SETTINGS[mode], **extra)
+    if plugin is not None:
+        kwargs["plugins"] = [plugin]
+
+    model = build_model(args)
+    fingerprint = weights_fingerprint(model)
+    module = LitGPT(model)
+    trainer = Trainer(
+        accelerator=ACCELERATOR,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=probe.total,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[Probe()],
+        **kwargs,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        trainer.fit(module)
+    row = probe.results()
+    row.update(
+        fingerprint=fingerprint,
+        precision=str(trainer.precision),
+        plugin=type(trainer.precision_plugin).__name__,
+        fp8_share=fp8_linear_share(module),
+        final_loss=float(module.last_loss) if module.last_loss is not None else None,
+        deprecation_warnings=sum("fp8_autocast" in str(w.message) for w in caught),
+    )
+    fp8 = getattr(plugin, "_fp8", None) if plugin is not None else None
+    if fp8 is not None and getattr(fp8, "report", None) is not None:
+        row["conversion"] = fp8.report.summary()
+    if plugin is not None:
+        row["plugin_stats"] = plugin.stats.as_dict()
+    del trainer, module, model
+    return row
+
+
+def cleanup() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with contextlib.suppress(Exception):  # TE's global amax buffers hold the previous mode's tensors
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+        FP8GlobalStateManager.reset()
+
+
+# --------------------------------------------------------------------------------------------- report
+def fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| size | mode | step ms | tokens/s | MFU (bf16 ceiling) | peak GiB | FP8 share | final loss | vs mp-bf16 | vs lightning-te |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['size']} | {r['mode']} | {r['error']}: {r.get('error_detail', '')[:80]} | | | {fmt(r.get('peak_gib'), '.1f')} | | | | |")
+            continue
+        lines.append(
+            f"| {r['size']} | {r['mode']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu'] * 100:.1f} % "
+            f"| {r['peak_gib']:.1f} | {r['fp8_share'] * 100:.0f} % | {fmt(r.get('final_loss'), '.4f')} "
+            f"| {fmt(r.get('vs_bf16'), '.2f', 'x')} | {fmt(r.get('vs_lightning_te'), '.2f', 'x')} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_sizes(text: str) -> list[dict[str, int]]:
+    sizes = []
+    for part in text.split(","):
+        fields = [int(x) for x in part.strip().split(":")]
+        if len(fields) != 4:
+            raise argparse.ArgumentTypeError(f"size {part!r}: use hidden:layers:batch:heads, e.g. 4096:8:8:32")
+        hidden, layers, batch, heads = fields
+        sizes.append({"hidden": hidden, "layers": layers, "batch": batch, "heads": heads})
+    return sizes
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated subset of {', '.join(ALL_MODES)}")
+    p.add_argument(
+        "--sizes", type=parse_sizes, default=parse_sizes("4096:8:8:32,8192:4:4:64"),
+        help="comma-separated hidden:layers:batch:heads (default 4096:8:8:32,8192:4:4:64: the anchor shapes of shared/GPU.md)",
+    )
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per mode; the median is reported (default 10)")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peak-tflops", type=float, default=782.0, help="MFU denominator (default 782: H200 bf16 matmul ceiling)")
+    p.add_argument("--json", default=None, help="also write the results as JSON to this path")
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ALL_MODES]
+    if unknown or not modes:
+        p.error(f"--modes: unknown {unknown or 'empty list'}; choose from {', '.join(ALL_MODES)}")
+    args.modes = modes
+    if args.warmup < 1 or args.steps < 1:
+        p.error("--warmup and --steps must be >= 1")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_fp8.py needs a CUDA GPU.", file=sys.stderr)
+        return 2
+    import lightning
+
+    from lightning_mp.fp8 import check_fp8_support
+    from lightning_mp.fp8.runtime import te_version
+
+    check_fp8_support("cuda", "delayed")  # a clear message instead of a failing row per mode
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+
+    device = torch.cuda.get_device_name()
+    interim = _interim_needed()
+    meta = {
+        "device": device,
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "transformer_engine": te_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "fp8_plugin": "interim (MPPlugin('bf16') + proposed fp8 wiring)" if interim else "MPPlugin('fp8')",
+        "flops_formula": "6 * n_params + 6 * layers * hidden * seq",
+    }
+    print(
+        f"# {device} | torch {torch.__version__} | lightning {lightning.__version__} | TE {meta['transformer_engine']}"
+        f" | {meta['date']}\n# fp8 plugin: {meta['fp8_plugin']} | {args.warmup} warm-up + {args.steps} timed steps"
+        " (median) per mode",
+        flush=True,
+    )
+
+    rows: list[dict[str, Any]] = []
+    t_all = time.perf_counter()
+    for size in args.sizes:
+        size_args = argparse.Namespace(**{**vars(args), **size})
+        n_params = count_params(size_args)
+        tokens_per_step = size_args.batch * args.seq
+        flops_per_token = 6 * n_params + 6 * size_args.layers * size_args.hidden * args.seq
+        label = f"{size_args.hidden}x{size_args.layers}"
+        print(
+            f"## {label}: {n_params / 1e9:.2f} B params (hidden {size_args.hidden}, {size_args.layers} layers,"
+            f" {size_args.heads} heads, vocab {args.vocab}), {size_args.batch} x {args.seq} tokens/step",
+            flush=True,
+        )
+        batches = make_batches(size_args, args.warmup + args.steps)
+        for mode in args.modes:
+            cleanup()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            row: dict[str, Any] = {"size": label, "mode": mode, "n_params": n_params, "tokens_per_step": tokens_per_step}
+            try:
+                row.update(run_mode(size_args, mode, batches))
+            except torch.cuda.OutOfMemoryError as err:
+                row["error"], row["error_detail"] = "OOM", str(err).splitlines()[0][:300]
+            except Exception as err:  # report and go on with the other modes
+                traceback.print_exc()
+                row["error"] = type(err).__name__
+                row["error_detail"] = str(err).splitlines()[0][:300] if str(err) else ""
+            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+            if "error" not in row:
+                row["tokens_per_s"] = tokens_per_step / (row["step_ms"] / 1e3)
+                row["mfu"] = row["tokens_per_s"] * flops_per_token / (args.peak_tflops * 1e12)
+                print(
+                    f"[{label} {mode}] step {row['step_ms']:.1f} ms, {row['tokens_per_s']:,.0f} tokens/s, peak"
+                    f" {row['peak_gib']:.1f} GiB, FP8 share {row['fp8_share'] * 100:.0f} %, loss"
+                    f" {fmt(row.get('final_loss'), '.4f')}, {row['precision']} ({row['wall_s']} s)",
+                    flush=True,
+                )
+                if row.get("conversion"):
+                    print(f"[{label} {mode}] {row['conversion']}", flush=True)
+            else:
+                print(f"[{label} {mode}] error {row['error']}: {row.get('error_detail', '')} ({row['wall_s']} s)", flush=True)
+            rows.append(row)
+            cleanup()
+
+    for r in rows:
+        if "error" in r:
+            continue
+        same = {x["mode"]: x for x in rows if x["size"] == r["size"] and "error" not in x}
+        for key, ref in (("vs_bf16", "mp-bf16"), ("vs_lightning_te", "lightning-te")):
+            r[key] = same[ref]["step_ms"] / r["step_ms"] if ref in same else None
+        fingerprints = {x["fingerprint"] for x in same.values()}
+        if len(fingerprints) > 1:
+            print(f"WARNING: the {r['size']} modes did not start from the same weights: {fingerprints}", flush=True)
+
+    verdicts = []
+    for size in sorted({r["size"] for r in rows}):
+        same = {x["mode"]: x for x in rows if x["size"] == size and "error" not in x}
+        for mode, ref, target in TARGETS:
+            if mode in same and ref in same:
+                ratio = same[ref]["step_ms"] / same[mode]["step_ms"]
+                verdicts.append(
+                    {"size": size, "mode": mode, "reference": ref, "target": target, "ratio": ratio, "met": ratio >= target}
+                )
+
+    print()
+    print(f"{device} | torch {torch.__version__} | lightning {lightning.__version__} | TE {meta['transformer_engine']}"
+          f" | {meta['fp8_plugin']} | median of {args.steps} steps after {args.warmup} warm-up")
+    print()
+    print(markdown_table(rows))
+    print()
+    for v in verdicts:
+        print(f"target {v['size']} {v['mode']} >= {v['target']:.1f}x {v['reference']}: {v['ratio']:.2f}x"
+              f" {'met' if v['met'] else 'MISSED'}")
+    print("vs columns: speed ratio (reference step ms / this step ms; > 1 is faster). FP8 share: share of linear FLOPs"
+          " in Transformer Engine FP8 layers.")
+    print(f"total {time.perf_counter() - t_all:.1f} s", flush=True)
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows, "targets": verdicts}, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,766 @@
+"""FP8 at run time: capability checks, recipes, Transformer Engine's autocast, the micro-batch weight cache,
+and FP8 scaling state in checkpoints.
+
+Example (a plain loop; ``MPPlugin("fp8")`` wires the same calls to Lightning's hooks)::
+
+    import torch
+    from lightning_mp.fp8 import FP8Training
+
+    fp8 = FP8Training({"recipe": "delayed"})
+    fp8.convert(model, device="cuda")               # checks, swaps layers, logs what it converted
+    opt = torch.optim.AdamW(model.parameters())     # after the swap: the TE modules own new parameters
+    for x in batches:
+        with torch.autocast("cuda", torch.bfloat16), fp8.autocast(training=True):
+            loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        fp8.weights_updated()                       # FP8 weight casts cached across micro-batches expire
+    torch.save({"model": model.state_dict(), "fp8": fp8.state_dict()}, "ckpt.pt")   # plain tensors only
+
+Transformer Engine is imported only when FP8 actually runs; this module imports without it.
+
+Checkpoints. TE keeps the delayed-scaling state (per module: ``scale`` and ``amax_history``, forward and
+backward) in ``fp8_meta`` and serialises it as the module's ``_extra_state``: a ``uint8`` tensor holding a
+Python pickle of a dict (the recipe object, CPU tensors, ints). ``torch.load(weights_only=True)`` accepts that
+tensor, but the bytes inside are a pickle: TE 2.20 refuses to unpickle delayed-scaling extra state on load
+unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1`` (arbitrary code on load), and a state dict with
+``_extra_state`` keys no longer loads into the unconverted model (Lightning restores the weights before the
+precision plugin converts the layers). So after :meth:`FP8Training.convert` the TE modules leave
+``_extra_state`` out of ``state_dict()`` (and accept its absence on load), and the scaling state travels as
+plain tensors in :meth:`FP8Training.state_dict` (MPPlugin's checkpoint entry): the model's state dict has the
+same keys as the torch model, loads into it, and the whole checkpoint loads with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import logging
+import warnings
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_mp.fp8.config import RECIPE_CLASSES, FP8Config
+from lightning_mp.fp8.convert import ConversionReport, apply_weights_dtype, convert_to_te
+from lightning_mp.fp8.filters import ModuleFilterFn
+
+log = logging.getLogger("lightning_mp.fp8")
+
+INSTALL_HINT = "pip install lightning-mp[fp8]"
+#: compute capability of the first GPUs with FP8 tensor cores (Ada)
+FP8_MIN_CAPABILITY = (8, 9)
+STATE_FORMAT = 1
+
+
+class FP8UnavailableError(ValueError):
+    """FP8 cannot run here: no FP8-capable GPU, no Transformer Engine, or a recipe this GPU/TE lacks.
+
+    Example::
+
+        try:
+            check_fp8_support("cuda", "mxfp8")
+        except FP8UnavailableError as err:
+            print(err)   # ... needs a Blackwell GPU ...; use recipe='delayed', 'current' or 'block'
+    """
+
+
+# --------------------------------------------------------------------------------------------- Transformer Engine
+def te_installed() -> bool:
+    """Whether ``transformer_engine`` can be found (without importing it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def te_version() -> Optional[str]:
+    """The installed Transformer Engine version, or ``None`` when it is not installed."""
+    if not te_installed():
+        return None
+    for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return getattr(importlib.import_module("transformer_engine"), "__version__", "unknown")
+
+
+def import_te() -> Any:
+    """``transformer_engine.pytorch``, or an :class:`FP8UnavailableError` naming the install command."""
+    if not te_installed():
+        raise FP8UnavailableError(fp8_support_problem(device_type="cuda", te_version=None))
+    try:
+        return importlib.import_module("transformer_engine.pytorch")
+    except Exception as err:  # an installed TE that does not load (CUDA libraries, torch ABI) is reported as such
+        raise FP8UnavailableError(
+            f"Transformer Engine {te_version()} is installed but `import transformer_engine.pytorch` failed:"
+            f" {type(err).__name__}: {err}. Reinstall it for this torch/CUDA ({INSTALL_HINT}), or use precision='bf16'."
+        ) from err
+
+
+def _recipe_module() -> Any:
+    import_te()
+    return importlib.import_module("transformer_engine.common.recipe")
+
+
+# --------------------------------------------------------------------------------------------- capability
+def fp8_support_problem(
+    *,
+    device_type: str,
+    capability: Optional[tuple[int, int]] = None,
+    device_name: Optional[str] = None,
+    te_version: Optional[str] = None,
+    recipe: str = "delayed",
+    recipe_class_present: bool = True,
+    te_reason: Optional[str] = None,
+) -> Optional[str]:
+    """Why FP8 cannot run with these facts, or ``None``: the pure part of :func:`check_fp8_support`.
+
+    Example::
+
+        fp8_support_problem(device_type="cuda", capability=(8, 0), device_name="NVIDIA A100", te_version="2.20.2")
+        # "precision='fp8' needs FP8 tensor cores ... NVIDIA A100 has compute capability 8.0. Use precision='bf16' ..."
+
+    Checked in this order: the device, its compute capability, Transformer Engine installed (``te_version``
+    ``None`` means not installed), the recipe class in that TE, and TE's own verdict on the recipe
+    (``te_reason``, e.g. from ``te.is_mxfp8_available(return_reason=True)``).
+    """
+    if device_type != "cuda":
+        where = "the CPU" if device_type == "cpu" else f"device type {device_type!r}"
+        return (
+            "precision='fp8' needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada,"
+            f" Hopper or Blackwell, e.g. L40S, H100, H200, B200), but the run is on {where}."
+            " Use precision='bf16' instead."
+        )
+    name = device_name or "this GPU"
+    if capability is not None and tuple(capability) < FP8_MIN_CAPABILITY:
+        major, minor = capability
+        instead = "'bf16'" if tuple(capability) >= (8, 0) else "'fp16' (with loss scaling)"
+        return (
+            "precision='fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper or Blackwell,"
+            f" e.g. L40S, H100, H200, B200), but {name} has compute capability {major}.{minor}."
+            f" Use precision={instead} on this GPU instead."
+        )
+    if te_version is None:
+        return (
+            "precision='fp8' runs its FP8 matrix multiplies through NVIDIA Transformer Engine, which is not"
+            f" installed. Install it with `{INSTALL_HINT}` (or `pip install transformer-engine[pytorch]`),"
+            " or use precision='bf16'."
+        )
+    cls = RECIPE_CLASSES.get(recipe, recipe)
+    if not recipe_class_present:
+        return (
+            f"fp8 recipe={recipe!r} needs transformer_engine.common.recipe.{cls}, which the installed Transformer"
+            f" Engine {te_version} lacks. Upgrade it (`pip install -U 'transformer-engine[pytorch]'`) or use"
+            " recipe='delayed'."
+        )
+    if te_reason is None and capability is not None:
+        # TE gave no verdict (an older TE without the check functions): the hardware rules TE 2.20 applies
+        if recipe == "mxfp8" and not ((10, 0) <= tuple(capability) < (12, 0)):
+            te_reason = "MXFP8 needs compute capability 10.x."
+        elif recipe == "block" and tuple(capability) < (9, 0):
+            te_reason = "FP8 block scaling needs compute capability 9.0 or higher."
+    if te_reason:
+        return f"fp8 recipe={recipe!r} ({cls}) cannot run on {name}: {te_reason.strip()} {_recipe_advice(recipe, capability)}"
+    return None
+
+
+def _recipe_advice(recipe: str, capability: Optional[tuple[int, int]]) -> str:
+    if recipe == "mxfp8":
+        what = "MXFP8 needs a Blackwell data-centre GPU (compute capability 10.x, e.g. B200)"
+    elif recipe == "block":
+        what = "Float8BlockScaling needs compute capability 9.0+ (Hopper or newer) and CUDA 12.9+"
+    else:
+        what = "FP8 needs compute capability 8.9+ (Ada, Hopper or Blackwell)"
+    runnable = ["delayed", "current"] + (["block"] if capability is not None and tuple(capability) >= (9, 0) else [])
+    options = ", ".join(repr(r) for r in runnable if r != recipe)
+    return f"{what}; use recipe={options} here." if options else f"{what}."
+
+
+def _te_recipe_reason(te: Any, recipe: str) -> Optional[str]:
+    """Transformer Engine's own reason why ``recipe`` cannot run on this GPU, or ``None``."""
+    checks = ["is_fp8_available"]
+    if recipe == "block":
+        checks.append("is_fp8_block_scaling_available")
+    elif recipe == "mxfp8":
+        checks.append("is_mxfp8_available")
+    legacy = None
+    for check in checks:
+        fn = getattr(te, check, None)
+        try:
+            if fn is not None:
+                ok, reason = fn(return_reason=True)
+            else:  # older TE: the same checks on FP8GlobalStateManager, returning (ok, reason)
+                if legacy is None:
+                    legacy = importlib.import_module("transformer_engine.pytorch.fp8").FP8GlobalStateManager
+                method = getattr(legacy, check, None)
+                if method is None:
+                    continue
+                ok, reason = method()
+        except (ImportError, AttributeError, TypeError):
+            continue
+        if not ok:
+            return reason or f"Transformer Engine's {check}() is False on this GPU."
+    return None
+
+
+def fp8_support_facts(device: Union[str, torch.device], recipe: str = "delayed") -> dict[str, Any]:
+    """What :func:`fp8_support_problem` needs, read from this machine (imports TE only on an FP8-capable GPU)."""
+    device = torch.device(device)
+    facts: dict[str, Any] = {"device_type": device.type, "recipe": recipe}
+    if device.type == "cuda" and torch.cuda.is_available():
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        facts["capability"] = tuple(torch.cuda.get_device_capability(index))
+        facts["device_name"] = torch.cuda.get_device_name(index)
+    facts["te_version"] = te_version()
+    capable = facts.get("capability") is not None and facts["capability"] >= FP8_MIN_CAPABILITY
+    if device.type == "cuda" and capable and facts["te_version"] is not None:
+        te = import_te()
+        facts["recipe_class_present"] = hasattr(_recipe_module(), RECIPE_CLASSES[recipe])
+        if facts["recipe_class_present"]:
+            facts["te_reason"] = _te_recipe_reason(te, recipe)
+    return facts
+
+
+def fp8_device_problem(device_type: str) -> Optional[str]:
+    """Why this kind of device cannot run FP8 at all (device, compute capability, TE installed), or ``None``.
+
+    Cheap (Transformer Engine is looked for, not imported): what ``resolve_mode("fp8", device_type)`` needs.
+
+    Example::
+
+        fp8_device_problem("cpu")   # "precision='fp8' needs an NVIDIA GPU ... Use precision='bf16' instead."
+    """
+    facts: dict[str, Any] = {"device_type": device_type}
+    if device_type == "cuda" and torch.cuda.is_available():
+        facts["capability"] = tuple(torch.cuda.get_device_capability())
+        facts["device_name"] = torch.cuda.get_device_name()
+    facts["te_version"] = te_version()
+    return fp8_support_problem(**facts)
+
+
+def check_fp8_support(device: Union[str, torch.device], recipe: str = "delayed") -> None:
+    """Raise :class:`FP8UnavailableError` saying why FP8 with ``recipe`` cannot run on ``device``, and what to use.
+
+    Example::
+
+        check_fp8_support("cuda", "current")      # passes on an H100 with Transformer Engine installed
+        check_fp8_support("cpu")                   # FP8UnavailableError: ... Use precision='bf16' instead.
+    """
+    problem = fp8_support_problem(**fp8_support_facts(device, recipe))
+    if problem:
+        raise FP8UnavailableError(problem)
+
+
+# --------------------------------------------------------------------------------------------- recipes
+def recipe_spec(config: FP8Config) -> tuple[str, dict[str, Any]]:
+    """The Transformer Engine recipe class name and its arguments (``fp8_format`` as a name), without TE.
+
+    Example::
+
+        recipe_spec(FP8Config(recipe="delayed", amax_history_len=16))
+        # ('DelayedScaling', {'fp8_format': 'HYBRID', 'margin': 0, 'amax_history_len': 16, 'amax_compute_algo': 'max'})
+    """
+    settings = config.recipe_settings()
+    kwargs = {k: v for k, v in settings.items() if k != "recipe"}
+    if config.recipe == "mxfp8" and config.margin is None:
+        kwargs.pop("margin", None)  # MXFP8's margin is TE's business unless the user sets it
+    return RECIPE_CLASSES[config.recipe], kwargs
+
+
+def build_recipe(config: FP8Config) -> Any:
+    """The Transformer Engine recipe object for ``config`` (imports TE).
+
+    Example::
+
+        build_recipe(FP8Config(recipe="current"))   # Float8CurrentScaling(fp8_format=Format.HYBRID, ...)
+    """
+    module = _recipe_module()
+    name, kwargs = recipe_spec(config)
+    cls = getattr(module, name, None)
+    if cls is None:
+        raise FP8UnavailableError(
+            fp8_support_problem(device_type="cuda", te_version=te_version(), recipe=config.recipe, recipe_class_present=False)
+        )
+    kwargs["fp8_format"] = getattr(module.Format, kwargs["fp8_format"])
+    return cls(**kwargs)
+
+
+def autocast_api(te: Any) -> str:
+    """``"autocast"`` when this TE has ``te.autocast(recipe=...)``, else ``"fp8_autocast"`` (older TE).
+
+    TE 2.20 keeps ``fp8_autocast`` but warns that it is deprecated on every call; ``autocast`` is the same
+    context without the warning.
+    """
+    fn = getattr(te, "autocast", None)
+    if fn is not None:
+        try:
+            if "recipe" in inspect.signature(fn).parameters:
+                return "autocast"
+        except (TypeError, ValueError):
+            pass
+    if getattr(te, "fp8_autocast", None) is None:
+        raise FP8UnavailableError(
+            f"Transformer Engine {te_version()} has neither te.autocast(recipe=...) nor te.fp8_autocast;"
+            f" reinstall it ({INSTALL_HINT})."
+        )
+    return "fp8_autocast"
+
+
+# --------------------------------------------------------------------------------------------- weight cache
+class MicrobatchWeightCache:
+    """Tells Transformer Engine modules whether a forward is the first since their weights last changed.
+
+    Example::
+
+        cache = MicrobatchWeightCache()
+        cache.attach(model)            # a forward pre-hook on every module taking ``is_first_microbatch``
+        cache.active = True            # in training forwards only
+        ...                            # micro-batches: first forward of each module casts, the rest reuse
+        cache.weights_updated()        # after each optimizer step
+
+    TE casts a weight to FP8 on every forward unless told ``is_first_microbatch``: ``True`` casts and keeps
+    the FP8 copy, ``False`` reuses it. With gradient accumulation the weights do not change between the
+    micro-batches of one optimizer step, so one cast per step is enough. Tracking a version per module (not
+    a flag per step) keeps it right when a module runs twice in one forward, and in manual optimization.
+    A caller that passes ``is_first_microbatch`` itself wins. Costs: one Python hook call per TE module call,
+    and the cached FP8 weights stay in memory between steps, which is why the cache is on only with
+    accumulation (``cache_fp8_weights="auto"``).
+    """
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.active = False
+        self._seen: dict[int, int] = {}
+        self._handles: list[Any] = []
+        self.target: Optional[nn.Module] = None
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self, model: nn.Module) -> int:
+        """Hook every submodule whose ``forward`` takes ``is_first_microbatch``; returns how many."""
+        self.detach()
+        self.target = model
+        for module in model.modules():
+            if "is_first_microbatch" not in _forward_parameters(type(module)):
+                continue
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
+            self._handles.append(module.register_load_state_dict_post_hook(self._loaded))
+        self.weights_updated()
+        return len(self._handles) // 2
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._seen.clear()
+        self.target = None
+
+    def weights_updated(self) -> None:
+        """The weights may have changed (an optimizer step, a load): the next forward of each module recasts."""
+        self.version += 1
+
+    def _loaded(self, module: nn.Module, incompatible_keys: Any) -> None:
+        self.weights_updated()
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        if not self.active or "is_first_microbatch" in kwargs or len(args) > 1:
+            return None
+        key = id(module)
+        first = self._seen.get(key) != self.version
+        if first:
+            self._seen[key] = self.version
+        return args, {**kwargs, "is_first_microbatch": first}
+
+
+def _forward_parameters(cls: type) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(cls.forward).parameters)
+    except (TypeError, ValueError):
+        return ()
+
+
+# --------------------------------------------------------------------------------------------- scaling state
+_STATE_TENSORS = (("scaling_fwd", "scale_fwd", "amax_history_fwd"), ("scaling_bwd", "scale_bwd", "amax_history_bwd"))
+_PLAIN = (bool, int, float, str)
+#: fp8_meta entries that point into this process's global amax buffers: never carried over (TE drops them too)
+_PROCESS_LOCAL_KEYS = frozenset({"buffer_index_and_autocast_key", "global_fp8_buffer_pos_fwd_recompute"})
+
+
+def _is_delayed(recipe: Any) -> bool:
+    check = getattr(recipe, "delayed", None)
+    if callable(check):
+        try:
+            return bool(check())
+        except TypeError:
+            pass
+    return type(recipe).__name__ == "DelayedScaling"
+
+
+def fp8_scaling_state(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Delayed-scaling state of every TE module that has some, as plain CPU tensors and numbers.
+
+    Example::
+
+        state = fp8_scaling_state(model)
+        state["blocks.0.fc1"]["amax_history_fwd"].shape   # (amax_history_len, 3)
+
+    Stateless recipes (current, block, mxfp8) and modules that have not run in FP8 yet have none.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for fqn, module in model.named_modules():
+        meta = getattr(module, "fp8_meta", None)
+        if not isinstance(meta, dict) or "scaling_fwd" not in meta or not _is_delayed(meta.get("recipe")):
+            continue
+        entry: dict[str, Any] = {}
+        for key, scale_name, history_name in _STATE_TENSORS:
+            if key in meta:
+                entry[scale_name] = meta[key].scale.detach().to("cpu", copy=True)
+                entry[history_name] = meta[key].amax_history.detach().to("cpu", copy=True)
+        entry["extra"] = {
+            k: v
+            for k, v in meta.items()
+            if k not in _PROCESS_LOCAL_KEYS
+            and (isinstance(v, _PLAIN) or (isinstance(v, (list, tuple)) and all(isinstance(x, _PLAIN) for x in v)))
+        }
+        out[fqn] = entry
+    return out
+
+
+def fit_amax_history(history: Tensor, length: int) -> Tensor:
+    """``history`` cut or zero-padded to ``length`` rows, as TE's ``adjust_amax_history_length`` does.
+
+    Example::
+
+        fit_amax_history(torch.ones(4, 3), 2).shape    # (2, 3): the first rows kept
+    """
+    rows = history.shape[0]
+    if rows == length:
+        return history
+    if rows > length:
+        return history[:length].clone()
+    return torch.nn.functional.pad(history, (0, 0, 0, length - rows))
+
+
+def load_fp8_scaling_state(model: nn.Module, state: dict[str, dict[str, Any]], recipe: Any) -> list[str]:
+    """Write :func:`fp8_scaling_state`'s output back into the TE modules of ``model``; returns the names done.
+
+    Example::
+
+        load_fp8_scaling_state(model, saved, build_recipe(config))
+
+    Mirrors TE's own ``set_extra_state`` without a pickle: set the recipe and the saved numbers, allocate
+    the recipe state, copy scales and amax histories in place (the quantizers keep pointing at them).
+    Histories of another length are cut or padded to the recipe's ``amax_history_len``.
+    """
+    done = []
+    modules = dict(model.named_modules())
+    for fqn, entry in state.items():
+        module = modules.get(fqn)
+        meta = getattr(module, "fp8_meta", None)
+        if module is None or not isinstance(meta, dict) or not hasattr(module, "init_fp8_meta_tensors"):
+            continue
+        meta.update({k: v for k, v in entry.get("extra", {}).items() if k not in _PROCESS_LOCAL_KEYS})
+        meta.pop("global_fp8_buffer_pos_fwd_recompute", None)
+        meta["recipe"] = recipe
+        meta["fp8_checkpoint"] = True
+        try:
+            module.init_fp8_meta_tensors(recipe)
+        except TypeError:  # TE 1.x: no recipe argument
+            module.init_fp8_meta_tensors()
+        with torch.no_grad():
+            for key, scale_name, history_name in _STATE_TENSORS:
+                if key not in meta or scale_name not in entry:
+                    continue
+                target = meta[key]
+                target.scale.copy_(entry[scale_name].to(target.scale.device))
+                history = fit_amax_history(entry[history_name], target.amax_history.shape[0])
+                target.amax_history.copy_(history.to(target.amax_history.device))
+        done.append(fqn)
+    return done
+
+
+def scaling_state_compat(saved: Optional[dict[str, Any]], current: dict[str, Any]) -> tuple[bool, Optional[str]]:
+    """Whether a checkpoint's FP8 scaling state applies to the current recipe, and what to tell the user.
+
+    Example::
+
+        scaling_state_compat({"recipe": "delayed", ...}, FP8Config(recipe="current").recipe_settings())
+        # (False, "... written with recipe='delayed' ... resumes with recipe='current' ...")
+
+    Both arguments are :meth:`FP8Config.recipe_settings` dicts. Returns ``(restore, message)``: restore the
+    saved amax histories and scales or not; a message (for a warning) when anything differs.
+    """
+    if not saved:
+        return False, None
+    was, now = saved.get("recipe"), current.get("recipe")
+    if was != now:
+        if now == "delayed":
+            after = (
+                "delayed scaling starts from scale 1 and an empty amax history and recalibrates over the first"
+                f" {current.get('amax_history_len', 1024)} steps (the first steps may clip)"
+            )
+        else:
+            after = f"recipe={now!r} computes its scales from the current tensors and needs no saved state"
+        return False, (
+            f"MPPlugin: the checkpoint's FP8 scaling state was written with recipe={was!r} and training resumes"
+            f" with recipe={now!r}: the saved state does not apply and is dropped; {after}."
+        )
+    if now != "delayed":
+        return False, None
+    if saved.get("fp8_format") != current.get("fp8_format"):
+        return False, (
+            f"MPPlugin: the checkpoint's FP8 scales were computed for fp8_format={saved.get('fp8_format')!r} and"
+            f" training resumes with fp8_format={current.get('fp8_format')!r}: the saved scales are dropped and"
+            f" recalibrate over the first {current.get('amax_history_len')} steps."
+        )
+    changes = [
+        f"{key} {saved.get(key)!r} -> {current.get(key)!r}"
+        for key in ("amax_history_len", "margin", "amax_compute_algo")
+        if saved.get(key) != current.get(key)
+    ]
+    if changes:
+        return True, (
+            "MPPlugin: FP8 delayed-scaling settings changed since the checkpoint (" + ", ".join(changes) + "):"
+            " the saved scales and amax histories are restored (histories cut or zero-padded to the new length)"
+            " and the next scale updates follow the new settings."
+        )
+    return True, None
+
+
+def install_checkpoint_hooks(model: nn.Module) -> int:
+    """Keep TE's pickled ``_extra_state`` out of ``state_dict()`` and accept its absence on load; returns how many.
+
+    Example::
+
+        install_checkpoint_hooks(model)
+        assert not any(k.endswith("_extra_state") for k in model.state_dict())
+
+    See the module docstring for why. The FP8 scaling state is saved by :func:`fp8_scaling_state` instead.
+    """
+    count = 0
+    for module in model.modules():
+        if not type(module).__module__.startswith("transformer_engine"):
+            continue
+        if type(module).get_extra_state is nn.Module.get_extra_state or module.__dict__.get("_mp_fp8_hooks"):
+            continue
+        module.register_state_dict_post_hook(_drop_extra_state)
+        module.register_load_state_dict_pre_hook(_tolerate_missing_extra_state)
+        module.__dict__["_mp_fp8_hooks"] = True
+        count += 1
+    return count
+
+
+def _drop_extra_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    state_dict.pop(prefix + "_extra_state", None)
+
+
+def _tolerate_missing_extra_state(module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    # an empty uint8 tensor is TE's own "no state" value: set_extra_state returns at once
+    state_dict.setdefault(prefix + "_extra_state", torch.empty(0, dtype=torch.uint8))
+
+
+# --------------------------------------------------------------------------------------------- everything together
+class _FP8Region:
+    """``te.autocast`` plus the weight cache's training flag, as one cheap class-based context manager."""
+
+    __slots__ = ("_owner", "_training", "_ctx", "_was_active")
+
+    def __init__(self, owner: "FP8Training", training: bool) -> None:
+        self._owner, self._training = owner, training
+        self._ctx: Any = None
+        self._was_active = False
+
+    def __enter__(self) -> None:
+        owner = self._owner
+        self._ctx = owner._te_autocast()
+        self._ctx.__enter__()
+        cache = owner.weight_cache
+        self._was_active, cache.active = cache.active, self._training and cache.attached
+
+    def __exit__(self, *exc: Any) -> None:
+        self._owner.weight_cache.active = self._was_active
+        self._ctx.__exit__(*exc)
+
+
+class FP8Training:
+    """FP8 training of one model through Transformer Engine: checks, layer swap, autocast, weight cache, state.
+
+    Example::
+
+        fp8 = FP8Training({"recipe": "current", "weights": "fp32"})
+        report = fp8.convert(model, device="cuda")
+        with torch.autocast("cuda", torch.bfloat16), fp8.autocast(training=True):
+            loss = model(x)
+
+    This is what ``MPPlugin("fp8")`` calls from Lightning's hooks (see the module docstring for a plain loop):
+    :meth:`convert` from ``convert_module``, :meth:`check` and :meth:`configure_weight_cache` from ``connect``,
+    :meth:`autocast` from the step contexts (inside bf16 autocast), :meth:`weights_updated` after each
+    optimizer step, :meth:`state_dict`/:meth:`load_state_dict` with the plugin's own.
+
+    Args:
+        config: an :class:`FP8Config`, a dict of its fields, or ``None`` for the defaults.
+    """
+
+    def __init__(self, config: Union[FP8Config, dict[str, Any], None] = None) -> None:
+        self.config = FP8Config.from_value(config)
+        self.report: Optional[ConversionReport] = None
+        self.weight_cache = MicrobatchWeightCache()
+        self._model: Optional[nn.Module] = None
+        self._recipe: Any = None
+        self._autocast_fn: Optional[Callable[[], Any]] = None
+        self._pending: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def recipe(self) -> Any:
+        """The Transformer Engine recipe object (built once, on first use; one object keeps TE's caches warm)."""
+        if self._recipe is None:
+            self._recipe = build_recipe(self.config)
+        return self._recipe
+
+    @property
+    def model(self) -> Optional[nn.Module]:
+        """The model :meth:`convert` swapped, if any."""
+        return self._model
+
+    def check(self, device: Union[str, torch.device]) -> None:
+        """:func:`check_fp8_support` for this config's recipe."""
+        check_fp8_support(device, self.config.recipe)
+
+    def convert(
+        self,
+        model: nn.Module,
+        device: Union[str, torch.device, None] = None,
+        *,
+        module_filter_fn: Optional[ModuleFilterFn] = None,
+        announce: Optional[Callable[[str], None]] = None,
+    ) -> ConversionReport:
+        """Check the hardware, swap the layers, set the weights dtype, install the checkpoint hooks.
+
+        Args:
+            model: converted in place; create the optimizer afterwards.
+            device: the device training runs on (``None``: the current CUDA device); checked first.
+            module_filter_fn: an extra ``(module, fqn) -> bool`` rule (torchao style).
+            announce: where the one-line summary goes (e.g. Lightning's ``rank_zero_info``); ``None`` logs it
+                at INFO on the ``lightning_mp.fp8`` logger. The module-by-module list is logged at DEBUG.
+        """
+        device = torch.device(device) if device is not None else torch.device("cuda")
+        self.check(device)
+        te = import_te()
+        self._autocast_fn = None
+        report = convert_to_te(
+            model,
+            config=self.config,
+            module_filter_fn=module_filter_fn,
+            te=te,
+            device=device if device.index is not None else None,
+            announce=announce,
+        )
+        apply_weights_dtype(model, self.config.weights)
+        install_checkpoint_hooks(model)
+        self._model, self.report = model, report
+        if not any(r.kind == "Linear" for r in report.converted) and not report.already_te:
+            warnings.warn(
+                "precision='fp8' converted no nn.Linear layer, so nothing runs in FP8 and the run is bf16 with"
+                f" FP8's overhead ({report.summary()}). Use precision='bf16', or relax the fp8 layer filter"
+                " (size_rule='off', keep_last=0, include/exclude).",
+                stacklevel=2,
+            )
+        self.weight_cache.weights_updated()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.load_state_dict(pending)
+        return report
+
+    def configure_weight_cache(self, *, accumulate_grad_batches: int = 1, automatic_optimization: bool = True) -> bool:
+        """Attach or detach the :class:`MicrobatchWeightCache` per ``cache_fp8_weights``; returns whether it is on.
+
+        Example::
+
+            fp8.configure_weight_cache(accumulate_grad_batches=trainer.accumulate_grad_batches)
+        """
+        mode = self.config.cache_fp8_weights
+        on = mode == "always" or (mode == "auto" and automatic_optimization and accumulate_grad_batches > 1)
+        if on and self._model is not None:
+            if self.weight_cache.target is not self._model:
+                self.weight_cache.attach(self._model)
+        else:
+            self.weight_cache.detach()
+        return self.weight_cache.attached
+
+    # ------------------------------------------------------------------ per step
+    def _te_autocast(self) -> Any:
+        if self._autocast_fn is None:
+            te, recipe = import_te(), self.recipe
+            if autocast_api(te) == "autocast":
+                self._autocast_fn = lambda: te.autocast(enabled=True, recipe=recipe)
+            else:
+                self._autocast_fn = lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)
+        return self._autocast_fn()
+
+    def autocast(self, training: bool = True) -> Any:
+        """The FP8 region for one step: TE's autocast with the recipe (training, or eval with ``fp8_in_eval``).
+
+        Example::
+
+            with torch.autocast("cuda", torch.bfloat16), fp8.autocast(training=False):
+                val_loss = model(x)        # bf16 unless fp8_in_eval=True
+
+        Outside it the TE modules compute in the surrounding autocast dtype (bf16). In training it also turns
+        the micro-batch weight cache on, when attached.
+        """
+        if not (training or self.config.fp8_in_eval):
+            return contextlib.nullcontext()
+        return _FP8Region(self, training)
+
+    def weights_updated(self) -> None:
+        """Call after every optimizer step: cached FP8 weight casts are stale."""
+        self.weight_cache.weights_updated()
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """The recipe settings and every module's delayed-scaling state: plain tensors, numbers and strings."""
+        modules = fp8_scaling_state(self._model) if self._model is not None else {}
+        return {
+            "format": STATE_FORMAT,
+            "recipe": self.config.recipe_settings(),
+            "te_version": te_version(),
+            "modules": modules,
+        }
+
+    def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
+        """Restore :meth:`state_dict`'s output; warns when the recipe changed (state dropped or adapted).
+
+        Before :meth:`convert` the state waits and is applied by it.
+        """
+        if not state:
+            return
+        if not isinstance(state, dict) or "recipe" not in state or not isinstance(state.get("modules", {}), dict):
+            raise ValueError(
+                f"The checkpoint's FP8 state is corrupted: expected a dict with 'recipe' and 'modules', got {state!r:.200}."
+            )
+        restore, message = scaling_state_compat(state["recipe"], self.config.recipe_settings())
+        if self._model is None:
+            self._pending = state
+            return
+        if message:
+            warnings.warn(message, stacklevel=2)
+        if not restore or not state.get("modules"):
+            return
+        saved = state["modules"]
+        done = load_fp8_scaling_state(self._model, saved, self.recipe)
+        missing = sorted(set(saved) - set(done))
+        if missing:
+            warnings.warn(
+                f"MPPlugin: {len(missing)} module(s) in the checkpoint's FP8 state are not Transformer Engine modules"
+                f" of this model (e.g. {missing[0]!r}): the fp8 layer filter changed since the checkpoint; their"
+                " scales recalibrate.",
+                stacklevel=2,
+            )
+        self.weight_cache.weights_updated()
