@@ -30,8 +30,6 @@ Run on the GPU machine from the repository root (12 runs; estimated 4-5 minutes 
     PYTHONPATH=. python benchmarks/bench_fp8.py --sizes 1024:2:8:16 --seq 512 --vocab 4096 \\
         --warmup 2 --steps 3      # smoke test
 
-While plugin.py has no fp8 wiring yet, the ``mp-fp8*`` modes use ``_InterimFP8Plugin`` below (``MPPlugin("bf16")``
-plus the proposed hook code); the output says which one ran.
 """
 
 from __future__ import annotations
@@ -44,7 +42,6 @@ import inspect
 import json
 import logging
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -76,84 +73,10 @@ TARGETS = (
 
 
 # --------------------------------------------------------------------------------------------- the plugin
-def _interim_needed() -> bool:
-    from lightning_mp import MPPlugin
-
-    try:
-        MPPlugin("fp8", fp8={})
-        return False
-    except (NotImplementedError, TypeError):
-        return True
-
-
 def make_fp8_plugin(fp8: dict[str, Any], **kwargs: Any) -> Any:
-    """``MPPlugin("fp8", fp8=...)``, or the interim stand-in while plugin.py is not wired yet."""
     from lightning_mp import MPPlugin
 
-    if not _interim_needed():
-        return MPPlugin("fp8", fp8=fp8, **kwargs)
-    return _interim_plugin_class()(fp8, **kwargs)
-
-
-def _interim_plugin_class() -> type:
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-    from lightning_mp import MPPlugin
-    from lightning_mp.fp8 import FP8Training
-    from lightning_mp.plugin import _root_device, _unwrap_lightning_module
-
-    class _InterimFP8Plugin(MPPlugin):
-        """``MPPlugin("bf16")`` plus the FP8 hook wiring proposed for plugin.py. Delete once that lands."""
-
-        def __init__(self, fp8: dict[str, Any], **kwargs: Any) -> None:
-            super().__init__("bf16", **kwargs)
-            self._fp8 = FP8Training(fp8)
-            self.precision = "transformer-engine"  # type: ignore[assignment]
-
-        def convert_module(self, module: nn.Module) -> nn.Module:
-            module = super().convert_module(module)  # FP32 guards first, where they exist
-            if self._fp8.model is not module:
-                device = _root_device(_unwrap_lightning_module(module), module)
-                self._fp8.convert(module, device=device, announce=rank_zero_info)
-            return module
-
-        def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
-            out = super().connect(model, optimizers, lr_schedulers)
-            module = _unwrap_lightning_module(model)
-            self._fp8.check(_root_device(module, model))
-            trainer = getattr(module, "_trainer", None)
-            self._fp8.configure_weight_cache(
-                accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
-                automatic_optimization=module.automatic_optimization if module is not None else True,
-            )
-            self.precision = "transformer-engine"  # type: ignore[assignment]
-            return out
-
-        @contextlib.contextmanager
-        def train_step_context(self):
-            with self.forward_context(), self._fp8.autocast(training=True):
-                yield
-
-        @contextlib.contextmanager
-        def val_step_context(self):
-            with self.forward_context(), self._fp8.autocast(training=False):
-                yield
-
-        def optimizer_step(self, optimizer, model, closure, **kwargs):
-            out = super().optimizer_step(optimizer, model, closure, **kwargs)
-            self._fp8.weights_updated()
-            return out
-
-        def state_dict(self) -> dict:
-            state = super().state_dict()
-            state["fp8"] = self._fp8.state_dict()
-            return state
-
-        def load_state_dict(self, state_dict: dict) -> None:
-            super().load_state_dict(state_dict)
-            self._fp8.load_state_dict(state_dict.get("fp8"))
-
-    return _InterimFP8Plugin
+    return MPPlugin("fp8", fp8=fp8, **kwargs)
 
 
 def _mp_kwargs_without_guards() -> dict[str, Any]:
@@ -347,7 +270,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
 
     device = torch.cuda.get_device_name()
-    interim = _interim_needed()
     meta = {
         "device": device,
         "torch": torch.__version__,
@@ -355,7 +277,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "transformer_engine": te_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": {k: v for k, v in vars(args).items() if k != "json"},
-        "fp8_plugin": "interim (MPPlugin('bf16') + proposed fp8 wiring)" if interim else "MPPlugin('fp8')",
+        "fp8_plugin": "MPPlugin('fp8')",
         "flops_formula": "6 * n_params + 6 * layers * hidden * seq",
     }
     print(

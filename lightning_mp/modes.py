@@ -65,13 +65,15 @@ MODES: dict[str, PrecisionMode] = {
             "fp16-true", "16-true", None, True, None, "fp16 weights and compute, fp32 master weights, loss scaling",
             torch.float16,
         ),
+        PrecisionMode(
+            "fp8", "transformer-engine", torch.bfloat16, False, None,
+            "Transformer Engine FP8 GEMMs, bf16 autocast for the rest, fp32 master weights",
+        ),
     )
 }
 
 #: names the parser knows whose support lands in a later release, with what to use meanwhile
-PLANNED: dict[str, str] = {
-    "fp8": "bf16",
-}
+PLANNED: dict[str, str] = {}
 
 ALIASES: dict[str, str] = {
     "32-true": "fp32",
@@ -122,7 +124,7 @@ def auto_choice(device_type: str) -> tuple[str, str]:
     if device_type == "cuda":
         if bf16_supported("cuda"):
             major, minor = torch.cuda.get_device_capability()
-            return "bf16", f"the GPU (compute capability {major}.{minor}) supports bf16; fp8 is not available yet"
+            return "bf16", f"the GPU (compute capability {major}.{minor}) supports bf16 (fp8 is opt-in: precision='fp8')"
         return "fp16", "the GPU does not support bf16, so fp16 with dynamic loss scaling"
     if device_type == "cpu":
         return "bf16", "bf16 autocast is the fastest safe mode on the CPU"
@@ -145,6 +147,12 @@ def resolve_mode(name: str, device_type: str) -> PrecisionMode:
             f" use precision={PLANNED[name]!r} meanwhile."
         )
     mode = MODES[name]
+    if name == "fp8":
+        from lightning_mp.fp8.runtime import FP8UnavailableError, fp8_device_problem
+
+        problem = fp8_device_problem(device_type)  # the GPU and TE; the recipe is checked when the plugin connects
+        if problem:
+            raise FP8UnavailableError(problem)
     if torch.bfloat16 in mode.low_precision_dtypes and not bf16_supported(device_type):
         what = "this GPU" if device_type == "cuda" else f"device type {device_type!r}"
         instead = "'fp16-true'" if mode.true_half else "'fp16'"

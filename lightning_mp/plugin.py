@@ -25,6 +25,9 @@ Order of one optimizer step (automatic optimization), written down because it ma
 7. ``scaler.update``: counters and the scale move on the device; then the divergence check, and
    gradients are released so the next forward does not carry them.
 8. Lightning steps the LR schedulers; a step-interval scheduler whose optimizer skipped is held.
+
+With ``precision="fp8"``, each step context runs Transformer Engine's autocast inside bf16 autocast (evaluation
+without it unless ``fp8_in_eval``); after each optimizer step, FP8 weight casts cached across micro-batches expire.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp.fp8 import FP8Config, FP8Training
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
 from lightning_mp.master import MasterWeights, attach_master_weights, cast_module_, fp32_values, parse_master_weights
 from lightning_mp.modes import AUTO, MODES, PLANNED, auto_choice, PrecisionMode, parse_precision, provisional_lightning_precision, resolve_mode
@@ -122,6 +126,10 @@ class MPPlugin(MixedPrecision):
             ``True``/``False`` are short for ``"fp32"``/``"none"``.
             See :mod:`lightning_mp.master`. With ``"fp32"`` gradients live on the masters: read them from
             ``optimizer.param_groups``, not from the model's parameters.
+        fp8: FP8 settings for ``precision="fp8"`` (NVIDIA Transformer Engine): an
+            :class:`~lightning_mp.fp8.FP8Config` or a dict of its fields (``recipe``, ``include``/``exclude``,
+            ``keep_first``/``keep_last``, ``size_rule``, ``weights``, ``fp8_in_eval``, ...). ``None``: the defaults
+            (delayed scaling, fp32 master weights, output head and small layers in bf16, bf16 evaluation).
     """
 
     def __init__(
@@ -144,6 +152,7 @@ class MPPlugin(MixedPrecision):
         release_grads_after_step: bool = True,
         fp32_modules: Optional[list[str]] = None,
         master_weights: Optional[Union[str, bool]] = None,
+        fp8: Optional[Union[FP8Config, dict]] = None,
     ) -> None:
         # deliberately not MixedPrecision.__init__: it needs the device up front and knows two modes only
         self._requested = parse_precision(precision)
@@ -205,6 +214,14 @@ class MPPlugin(MixedPrecision):
         self._converted: Optional[torch.nn.Module] = None  # the module convert_module guarded (and cast)
         self._masters: Optional[MasterWeights] = None
         self._ddp_accumulation_warned = False
+        # validated now, whatever the mode, so YAML typos fail before training; TE is imported at set-up only
+        self.fp8_config = FP8Config.from_value(fp8)
+        self._fp8: Optional[FP8Training] = None
+        if fp8 is not None and self._requested not in ("fp8", AUTO):
+            rank_zero_warn(
+                f"MPPlugin: fp8 settings are given but precision={self._requested!r}; they take effect with"
+                " precision='fp8'."
+            )
         self._fp32_weights_in_checkpoint: dict[str, Tensor] = {}
         if self._requested in PLANNED:
             resolve_mode(self._requested, self.device)  # raises: known name, not runnable in this release
@@ -247,6 +264,8 @@ class MPPlugin(MixedPrecision):
 
     def _setup_mode(self, mode: PrecisionMode) -> None:
         self._check_master_weights_argument(mode)
+        if mode.name == "fp8" and self._fp8 is None:
+            self._fp8 = FP8Training(self.fp8_config)
         previous = self.scaler
         self.mode = mode
         self.precision = mode.lightning_precision  # type: ignore[assignment]
@@ -284,6 +303,12 @@ class MPPlugin(MixedPrecision):
         mode = resolve_mode(name, self.device)
         if self.mode is not None and mode.name == self.mode.name:
             return mode
+        if mode.name == "fp8" and (self._fp8 is None or self._fp8.model is None) and self._converted is not None:
+            raise ValueError(
+                f"set_precision({precision!r}): FP8 swaps nn.Linear layers for Transformer Engine modules, which"
+                " must happen before the optimizers exist. Start training with precision='fp8' (switching from"
+                " fp8 to bf16 and back during training works)."
+            )
         if self._converted is not None and (mode.true_half or (self.mode is not None and self.mode.true_half)):
             current = self.mode.name if self.mode is not None else self._requested
             raise ValueError(
@@ -326,6 +351,13 @@ class MPPlugin(MixedPrecision):
         self._apply_tf32()
         self._hold_schedulers(module, optimizers, lr_schedulers)
         self._attach_master_weights(module, model, optimizers)
+        if self._fp8 is not None and self.mode.name == "fp8":
+            self._fp8.check(device)  # recipe-specific: e.g. mxfp8 needs Blackwell
+            trainer = getattr(module, "_trainer", None) if module is not None else None
+            self._fp8.configure_weight_cache(
+                accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
+                automatic_optimization=module.automatic_optimization if module is not None else True,
+            )
         return model, optimizers, lr_schedulers
 
     def _attach_master_weights(self, module: Optional[LightningModule], model: Any, optimizers: list) -> None:
@@ -409,6 +441,11 @@ class MPPlugin(MixedPrecision):
         guarded = apply_fp32_guards(module, self.fp32_guards)
         if self.mode is not None and self.mode.true_half:
             cast_module_(module, self.mode.param_dtype, keep_fp32=guarded)
+        if self.mode is not None and self.mode.name == "fp8" and self._fp8 is not None and self._fp8.model is not module:
+            # checks the GPU and Transformer Engine first; swaps in place (before the optimizers exist), casts
+            # to bf16 when fp8.weights="bf16" (guarded modules stay fp32), logs one line of what it converted
+            lightning_module = _unwrap_lightning_module(module)
+            self._fp8.convert(module, device=_root_device(lightning_module, module), announce=rank_zero_info)
         self._converted = module
         return module
 
@@ -438,6 +475,35 @@ class MPPlugin(MixedPrecision):
                 yield
             return
         with self.autocast_context_manager():
+            yield
+
+    def _fp8_region(self, training: bool) -> Any:
+        if self._fp8 is None or self.mode is None or self.mode.name != "fp8":
+            return contextlib.nullcontext()
+        return self._fp8.autocast(training=training)
+
+    @override
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        with self.forward_context(), self._fp8_region(training=True):
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def val_step_context(self) -> Generator[None, None, None]:
+        with self.forward_context(), self._fp8_region(training=False):
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def test_step_context(self) -> Generator[None, None, None]:
+        with self.forward_context(), self._fp8_region(training=False):
+            yield
+
+    @override
+    @contextlib.contextmanager
+    def predict_step_context(self) -> Generator[None, None, None]:
+        with self.forward_context(), self._fp8_region(training=False):
             yield
 
     # ------------------------------------------------------------------ backward and step
@@ -473,6 +539,8 @@ class MPPlugin(MixedPrecision):
             and not is_overridden("optimizer_zero_grad", model, LightningModule)
         ):
             optimizer.zero_grad(set_to_none=True)
+        if self._fp8 is not None:
+            self._fp8.weights_updated()  # FP8 weight casts cached across micro-batches expire
         return step_output
 
     def _guarded_step(
@@ -581,6 +649,8 @@ class MPPlugin(MixedPrecision):
             state["scaler"] = self.scaler.state_dict()
         if self._masters is not None:
             state["master_weights"] = self._masters.state_dict()
+        if self._fp8 is not None:
+            state["fp8"] = self._fp8.state_dict()  # plain tensors: loads with torch.load(weights_only=True)
         return state
 
     @override
@@ -609,6 +679,8 @@ class MPPlugin(MixedPrecision):
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"The checkpoint's loss-scaler state is corrupted: {err}") from err
         self._load_master_weights(state_dict.get("master_weights"))
+        if self._fp8 is not None:
+            self._fp8.load_state_dict(state_dict.get("fp8"))  # warns when the recipe changed
 
     def _load_master_weights(self, saved: Any) -> None:
         current = self.master_weights

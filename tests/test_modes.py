@@ -44,10 +44,9 @@ def test_plugin_rejects_bad_precision_at_construction():
         MPPlugin("fp64")
 
 
-@pytest.mark.parametrize("name", ["fp8"])
-def test_planned_modes_fail_clearly(name):
-    with pytest.raises(NotImplementedError, match=f"precision='{name}'.*use precision="):
-        MPPlugin(name)
+def test_fp8_on_the_cpu_fails_before_training_and_says_why():
+    with pytest.raises(ValueError, match=r"run is on the CPU\. Use precision='bf16'"):
+        resolve_mode("fp8", "cpu")
 
 
 def test_mode_table():
@@ -56,7 +55,7 @@ def test_mode_table():
     assert MODES["fp16"].autocast_dtype is torch.float16
     assert MODES["fp32"].autocast_dtype is None and MODES["fp32"].tf32 is False
     assert MODES["tf32"].tf32 is True
-    assert {m.lightning_precision for m in MODES.values()} == {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true"}
+    assert {m.lightning_precision for m in MODES.values()} == {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine"}
     assert MODES["bf16-true"].param_dtype is torch.bfloat16 and MODES["fp16-true"].needs_scaler
     assert set(ALIASES.values()) <= set(accepted_names())
 

@@ -5,13 +5,11 @@ Skipped unless CUDA, compute capability >= 8.9 and ``transformer_engine`` are pr
     source .te/te_install.sh && PYTHONPATH=. python -m pytest -q -m gpu tests/gpu/test_fp8_te.py
 
 Imports only torch, lightning, Transformer Engine and lightning_mp (the GPU machine has no jsonargparse).
-The training tests go through ``MPPlugin("fp8", fp8={...})``; while plugin.py lacks that wiring they use
-``InterimFP8Plugin`` below, ``MPPlugin("bf16")`` plus the same hook code, and print which one ran.
+The training tests go through ``MPPlugin("fp8", fp8={...})``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib.util
 import math
@@ -23,7 +21,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_mp import MPPlugin
@@ -42,6 +39,7 @@ _HAS_TE = importlib.util.find_spec("transformer_engine") is not None
 _CC = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.fp8,
     pytest.mark.skipif(
         not (torch.cuda.is_available() and _CC >= (8, 9) and _HAS_TE),
         reason="needs Transformer Engine and a GPU with compute capability >= 8.9 (run on the GPU machine)",
@@ -50,82 +48,12 @@ pytestmark = [
 
 
 # --------------------------------------------------------------------------------------------- the plugin
-def _plugin_fp8_wired() -> bool:
-    try:
-        MPPlugin("fp8", fp8={})
-        return True
-    except (NotImplementedError, TypeError):
-        return False
-
-
 def make_fp8_plugin(fp8: Optional[dict] = None, **kwargs: Any) -> MPPlugin:
-    """``MPPlugin("fp8", fp8=...)``, or the interim stand-in for it while plugin.py is not wired yet."""
-    if _plugin_fp8_wired():
-        return MPPlugin("fp8", fp8=fp8 or {}, **kwargs)
-    return InterimFP8Plugin(fp8, **kwargs)
-
-
-class InterimFP8Plugin(MPPlugin):
-    """``MPPlugin("bf16")`` plus the FP8 hook wiring proposed for plugin.py. Delete once that lands."""
-
-    def __init__(self, fp8: Optional[dict] = None, **kwargs: Any) -> None:
-        super().__init__("bf16", **kwargs)
-        self._fp8_interim = FP8Training(fp8)
-        self.precision = "transformer-engine"  # type: ignore[assignment]
-
-    def convert_module(self, module: nn.Module) -> nn.Module:
-        from lightning_mp.plugin import _root_device, _unwrap_lightning_module
-
-        module = super().convert_module(module)  # FP32 guards first, where they exist: guarded modules stay torch
-        if self._fp8_interim.model is not module:
-            device = _root_device(_unwrap_lightning_module(module), module)
-            self._fp8_interim.convert(module, device=device, announce=rank_zero_info)
-        return module
-
-    def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple:
-        from lightning_mp.plugin import _root_device, _unwrap_lightning_module
-
-        out = super().connect(model, optimizers, lr_schedulers)
-        module = _unwrap_lightning_module(model)
-        self._fp8_interim.check(_root_device(module, model))
-        trainer = getattr(module, "_trainer", None)
-        self._fp8_interim.configure_weight_cache(
-            accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
-            automatic_optimization=module.automatic_optimization if module is not None else True,
-        )
-        self.precision = "transformer-engine"  # type: ignore[assignment]
-        return out
-
-    @contextlib.contextmanager
-    def train_step_context(self):
-        with self.forward_context(), self._fp8_interim.autocast(training=True):
-            yield
-
-    @contextlib.contextmanager
-    def val_step_context(self):
-        with self.forward_context(), self._fp8_interim.autocast(training=False):
-            yield
-
-    test_step_context = val_step_context
-    predict_step_context = val_step_context
-
-    def optimizer_step(self, optimizer, model, closure, **kwargs):
-        out = super().optimizer_step(optimizer, model, closure, **kwargs)
-        self._fp8_interim.weights_updated()
-        return out
-
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        state["fp8"] = self._fp8_interim.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._fp8_interim.load_state_dict(state_dict.get("fp8"))
+    return MPPlugin("fp8", fp8=fp8 or {}, **kwargs)
 
 
 def fp8_of(plugin: MPPlugin) -> FP8Training:
-    return getattr(plugin, "_fp8_interim", None) or plugin._fp8  # type: ignore[attr-defined]
+    return plugin._fp8  # type: ignore[attr-defined]
 
 
 # --------------------------------------------------------------------------------------------- model and data

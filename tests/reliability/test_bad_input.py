@@ -39,7 +39,12 @@ CONSTRUCTION = [
     ("switch as a string", {"skip_nonfinite": "yes"}, ValueError, r"skip_nonfinite='yes' is invalid: use true or false"),
     ("switch as a number", {"hold_schedulers_on_skip": 0}, ValueError, r"hold_schedulers_on_skip=0 is invalid"),
     ("tf32 as a number", {"tf32": 1}, ValueError, r"tf32=1 is invalid: use true, false, or null"),
-    ("fp8 before it is runnable", {"precision": "fp8"}, NotImplementedError, r"precision='fp8'.*use precision='bf16'"),
+    ("fp8 settings of the wrong kind", {"precision": "fp8", "fp8": {"recipe": "fastest"}}, ValueError, r"recipe.*'fastest'"),
+    ("unknown fp8 setting", {"precision": "fp8", "fp8": {"amax_len": 16}}, ValueError, r"amax_len"),
+    ("bad FP32 guard entry", {"fp32_modules": [3]}, (ValueError, TypeError), r"fp32_modules"),
+    ("master weights without half weights", {"precision": "bf16", "master_weights": "fp32"}, ValueError,
+     r"master_weights='fp32' applies to half-precision weights.*Use precision='bf16-true'"),
+    ("unknown master-weights option", {"precision": "bf16-true", "master_weights": "fp64"}, ValueError, r"fp64"),
 ]
 
 
@@ -52,6 +57,13 @@ def test_bad_plugin_arguments_fail_at_construction(case, kwargs, error, pattern)
 def test_precision_flag_and_plugin_together():
     with pytest.raises(ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=.*Choose one"):
         Trainer(precision="bf16-mixed", plugins=[MPPlugin("fp16")], accelerator="cpu", logger=False)
+
+
+def test_fp8_on_the_cpu_fails_before_the_first_step():
+    model = TinyRegressor()
+    with pytest.raises(ValueError, match=r"precision='fp8' needs an NVIDIA GPU with FP8 tensor cores.*run is on the CPU\. Use precision='bf16'"):
+        make_trainer(MPPlugin("fp8"), max_steps=2).fit(model)
+    assert model.batches_seen == 0
 
 
 def test_mode_the_hardware_cannot_run_fails_before_the_first_step(monkeypatch):
