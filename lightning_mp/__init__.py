@@ -1,5 +1,6 @@
 """lightning_mp: safe, fast mixed-precision training for PyTorch Lightning through one Trainer flag."""
 
+from lightning_mp.callbacks import NonFiniteDetector, NonFiniteReport, PrecisionMonitor, PrecisionSchedule
 from lightning_mp.fp8 import FP8Config, FP8UnavailableError
 from lightning_mp.guards import (
     DEFAULT_FP32_MODULES,
@@ -36,6 +37,10 @@ __all__ = [
     "FP8UnavailableError",
     "KahanCompensation",
     "MasterWeights",
+    "NonFiniteDetector",
+    "NonFiniteReport",
+    "PrecisionMonitor",
+    "PrecisionSchedule",
     "StochasticRounding",
     "apply_fp32_guards",
     "attach_master_weights",

@@ -1,0 +1,560 @@
+"""PrecisionMonitor: log what the precision machinery does, with any precision plugin.
+
+When it reads what (automatic optimization; the order matters):
+
+1. ``on_train_batch_start``: on a logging step with ``layer_stats=True``, forward hooks go on the chosen
+   layers (and come off at the end of the batch); between logging steps nothing is hooked.
+2. ``on_before_optimizer_step``: the gradients are unscaled here (Lightning's ``MixedPrecision`` and
+   ``FSDPPrecision`` unscale before this hook, ``MPPlugin`` too), except with a fused optimizer under a
+   native scaler, which unscales inside its step: the monitor divides by the scale then. With a native
+   scaler the step's inf/NaN verdict is added to device-side counters (no host sync); on logging steps the
+   gradient norm and the per-layer gradient figures are computed.
+3. ``on_train_batch_end``: after the optimizer step and the scaler update. On logging steps the figures
+   are read (with ``MPPlugin``: one ``StepStats.as_dict()`` copy), agreed across ranks through torchmetrics,
+   and written to every logger at Lightning's own step index.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torchmetrics import Metric
+from typing_extensions import override
+
+from lightning_mp.stats import StepStats
+
+#: largest finite fp16 value and smallest positive normal fp16 value
+FP16_MAX = float(torch.finfo(torch.float16).max)
+FP16_TINY = float(torch.finfo(torch.float16).tiny)
+
+SCALAR_NAMES = ("loss_scale", "skipped_steps", "skip_rate", "consecutive_skips", "grad_norm")
+LAYER_FIGURES = (
+    "act_absmax",
+    "act_headroom",
+    "act_nonfinite",
+    "grad_absmax",
+    "grad_headroom",
+    "grad_underflow",
+    "grad_nonfinite",
+)
+
+
+class PrecisionMonitor(Callback):
+    """Log the loss scale, skipped steps, gradient norm and, on request, per-layer fp16 headroom.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from lightning.pytorch.loggers import CSVLogger
+        from lightning_mp import PrecisionMonitor
+
+        trainer = Trainer(precision="16-mixed", logger=CSVLogger("logs"), max_steps=200,
+                          callbacks=[PrecisionMonitor(layer_stats=True)])
+        trainer.fit(model)   # logs/lightning_logs/version_0/metrics.csv: precision/loss_scale, ...
+
+    Works with ``MPPlugin`` (reads ``plugin.stats``), with Lightning's ``MixedPrecision`` / ``FSDPPrecision``
+    (reads ``trainer.scaler`` and the gradients of ``on_before_optimizer_step``), and with no scaler at all
+    (``"bf16-mixed"``, ``"32-true"``: nothing is skipped, the loss scale is not logged).
+
+    Logged every ``log_every_n_steps`` optimizer steps, at the step index Lightning's own metrics use:
+
+    - ``precision/loss_scale``: the loss scale after the step's update (only when the loss is scaled);
+    - ``precision/skipped_steps``: optimizer steps skipped for inf/NaN gradients so far;
+    - ``precision/skip_rate``: the share of optimizer steps skipped since the previous logging step;
+    - ``precision/consecutive_skips``: skipped steps in a row up to this step;
+    - ``precision/grad_norm``: the 2-norm of the unscaled gradients of the logging step;
+    - with ``layer_stats=True``, for each layer (modules that own parameters, or those ``layers`` matches):
+      ``precision/act_absmax/<layer>`` (largest |output|), ``precision/act_headroom/<layer>``
+      (log2(65504 / largest |output|): bits left before fp16 overflows; <= 0 means it would),
+      ``precision/act_nonfinite/<layer>`` (share of inf/NaN output elements), ``precision/grad_absmax/<layer>``
+      (largest |parameter gradient|, unscaled), ``precision/grad_headroom/<layer>`` (log2(65504 / (largest
+      |gradient| x loss scale))), ``precision/grad_underflow/<layer>`` (share of gradient elements that are
+      zero or, multiplied by the loss scale, below fp16's smallest normal 2**-14) and
+      ``precision/grad_nonfinite/<layer>``.
+
+    With several processes every figure is agreed through a torchmetrics ``Metric`` (maxima and element
+    counts reduced over ranks), so every rank computes, and rank zero logs, the same numbers.
+
+    Cost: with ``MPPlugin`` or without a scaler nothing between logging steps (a few Python comparisons); with a
+    native scaler, two or three tiny in-place device ops a step to count skips (no host sync); on logging steps
+    a few host copies, one gradient-norm pass and, with ``layer_stats``, forward hooks on the chosen layers and
+    a few reductions per layer output and gradient. Measured on the CPU (thread CPU time, small MLPs, 8 to 38 ms
+    steps): within the measurement's +-3 % noise at the defaults, and with ``layer_stats=True`` every 10 steps.
+
+    Args:
+        log_every_n_steps: log every this many optimizer steps; ``None`` uses the Trainer's
+            ``log_every_n_steps``.
+        layer_stats: also log the per-layer figures (on logging steps only).
+        layers: a regular expression; with ``layer_stats``, report the modules whose qualified name matches
+            it (``re.search``) instead of the modules that own parameters.
+        plot: a PNG path: at the end of fit, rank zero draws the loss scale and the skipped steps over the
+            logging steps (needs matplotlib: ``pip install matplotlib``).
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: Optional[int] = None,
+        layer_stats: bool = False,
+        layers: Optional[str] = None,
+        plot: Optional[str] = None,
+    ) -> None:
+        super().__init__()
+        if log_every_n_steps is not None and (
+            isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+        ):
+            raise ValueError(
+                f"log_every_n_steps={log_every_n_steps!r} is invalid: use an integer >= 1, or None for the"
+                " Trainer's log_every_n_steps."
+            )
+        if not isinstance(layer_stats, bool):
+            raise ValueError(f"layer_stats={layer_stats!r} is invalid: use true or false.")
+        self._layer_pattern: Optional[re.Pattern] = None
+        if layers is not None:
+            if not isinstance(layers, str) or not layers:
+                raise ValueError(f"layers={layers!r} is invalid: use a regular expression string, or None.")
+            try:
+                self._layer_pattern = re.compile(layers)
+            except re.error as err:
+                raise ValueError(f"layers={layers!r} is not a valid regular expression: {err}.") from err
+            if not layer_stats:
+                rank_zero_warn(
+                    "PrecisionMonitor: layers= is set but layer_stats=False; pass layer_stats=True to log them."
+                )
+        if plot is not None:
+            if not isinstance(plot, str) or not plot:
+                raise ValueError(f"plot={plot!r} is invalid: use a file path such as 'precision.png', or None.")
+            if importlib.util.find_spec("matplotlib") is None:
+                raise ModuleNotFoundError(
+                    f"PrecisionMonitor(plot={plot!r}) needs matplotlib, which is not installed:"
+                    " pip install matplotlib (or lightning-mp[plot]), or leave plot unset."
+                )
+        self.log_every_n_steps = log_every_n_steps
+        self.layer_stats = layer_stats
+        self.layers = layers
+        self.plot = plot
+
+        #: the figures of the last logging step (the same numbers on every rank)
+        self.last: dict[str, float] = {}
+        #: ``(step, loss_scale or None, skipped_steps)`` per logging step, for the plot
+        self.history: list[tuple[int, Optional[float], int]] = []
+
+        self._every = 1
+        self._names: list[str] = []  # qualified layer names
+        self._modules: list[nn.Module] = []
+        self._hooks: list[Any] = []
+        self._agreement: Optional[_RankAgreement] = None
+        self._native = _NativeSkips()
+        self._logging_step = False
+        self._stepped = False
+        self._grad_norm: Optional[Tensor] = None
+        self._act: dict[int, list[tuple[Tensor, Tensor, int]]] = defaultdict(list)
+        self._grad: dict[int, tuple[Tensor, Tensor, Tensor, int]] = {}
+        self._grad_scale_used = 1.0
+        self._sharded = False  # FSDP / ModelParallel: each rank holds a shard of the gradients
+        self._window_start: Optional[tuple[int, int]] = None  # (steps, skipped) at the previous logging step
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        self._names, self._modules = [], []
+        if self.layer_stats:
+            for name, module in pl_module.named_modules():
+                if module is pl_module:
+                    continue
+                if self._layer_pattern is not None:
+                    chosen = self._layer_pattern.search(name) is not None
+                else:
+                    chosen = next(module.parameters(recurse=False), None) is not None
+                if chosen:
+                    self._names.append(name)
+                    self._modules.append(module)
+            if not self._names:
+                rank_zero_warn(
+                    "PrecisionMonitor(layer_stats=True) found no layers to report"
+                    + (f" matching layers={self.layers!r}." if self.layers else " (no module owns parameters).")
+                )
+
+    @override
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        device = trainer.strategy.root_device
+        n_layers = len(self._names)
+        self._agreement = _RankAgreement(len(SCALAR_NAMES) + 2 * n_layers, 5 * n_layers + 1).to(device)
+        self._native.reset_device(device)
+
+    @override
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._remove_hooks()
+        if self.plot is not None and trainer.is_global_zero and self.history:
+            self._draw(self.plot)
+
+    @override
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._remove_hooks()
+
+    # ------------------------------------------------------------------ per step
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._every <= 0:
+            return
+        # the same rule as Lightning's should_update_logs: the batch that makes the n-th optimizer step
+        self._logging_step = (trainer.fit_loop.epoch_loop._batches_that_stepped + 1) % self._every == 0
+        if not self._logging_step:
+            if self._hooks:  # the last logging step did not step (training_step returned None)
+                self._remove_hooks()
+                self._act.clear()
+            return
+        if self._names and not self._hooks:
+            for i, module in enumerate(self._modules):
+                self._hooks.append(module.register_forward_hook(self._forward_hook(i)))
+
+    @override
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._stepped = True
+        stats = _mp_stats(trainer)
+        scaler = trainer.scaler
+        still_scaled = False
+        if stats is None:
+            self._native.steps += 1
+            if scaler is not None and scaler.is_enabled():
+                still_scaled = self._native.observe(scaler, optimizer)
+        if not self._logging_step:
+            return
+        # gradient figures of the logging step: one norm pass, and per layer one pass per statistic
+        seen_scale = scaler.get_scale() if still_scaled else 1.0
+        scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+        self._grad_scale_used = scale
+        grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [g for g in grads if g.numel() > 0]
+        if grads:
+            norm = _total_norm(grads)
+            norm = norm / seen_scale if seen_scale != 1.0 else norm
+            self._grad_norm = norm if self._grad_norm is None else torch.sqrt(self._grad_norm**2 + norm**2)
+        self._sharded = _grads_are_sharded(trainer)
+        if self._names:
+            self._layer_grads(seen_scale, scale)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        stepped, self._stepped = self._stepped, False
+        if not stepped:
+            return  # an accumulation micro-batch (or a step that did not run): the step is not over
+        stats = _mp_stats(trainer)
+        if stats is None:
+            self._native.after_step(trainer.scaler)
+        if self._logging_step:
+            self._log(trainer, stats)
+            self._logging_step = False
+            self._remove_hooks()
+
+    # ------------------------------------------------------------------ reading
+    def _log(self, trainer: Trainer, stats: Optional[StepStats]) -> None:
+        scaler = trainer.scaler
+        if stats is not None:
+            figures = stats.as_dict()  # one host copy
+            steps, skipped = figures["steps"], figures["skipped_steps"]
+            consecutive, loss_scale = figures["consecutive_skips"], figures["loss_scale"]
+        else:
+            steps, skipped, consecutive = self._native.read()
+            loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        previous = self._window_start if self._window_start is not None else (0, 0)
+        window = steps - previous[0]
+        skip_rate = (skipped - previous[1]) / window if window > 0 else 0.0
+        self._window_start = (steps, skipped)
+        grad_norm = self._grad_norm
+        self._grad_norm = None
+
+        device = self._agreement.device
+        nan = float("nan")
+        scalars = torch.tensor(
+            [loss_scale if loss_scale is not None else nan, skipped, skip_rate, consecutive, nan], dtype=torch.float64,
+            device=device,
+        )
+        maxima, sums = self._layer_vectors(device)
+        squares = torch.zeros(1, dtype=torch.float64, device=device)
+        if grad_norm is not None:
+            norm = grad_norm.to(device=device, dtype=torch.float64)
+            if self._sharded:
+                squares[0] = norm**2  # the norm over all shards: the square root of the sum over ranks
+            else:
+                scalars[4] = norm  # replicated gradients (DDP): the same on every rank
+        agreement = self._agreement
+        agreement.reset()
+        agreement.update(torch.cat([scalars, maxima]), torch.cat([sums, squares]))
+        agreed_max, agreed_sum = (v.reshape(-1) for v in agreement.compute())  # synced over ranks by torchmetrics
+        if self._sharded and grad_norm is not None:
+            agreed_max[4] = agreed_sum[-1].sqrt()
+        values = torch.cat([agreed_max, agreed_sum[:-1]]).tolist()
+        self._act.clear()
+        self._grad.clear()
+
+        n_layers = len(self._names)
+        figures: dict[str, float] = {}
+        for name, value in zip(SCALAR_NAMES, values[: len(SCALAR_NAMES)]):
+            if (name == "loss_scale" and loss_scale is None) or (name == "grad_norm" and grad_norm is None):
+                continue
+            figures[f"precision/{name}"] = int(value) if name in ("skipped_steps", "consecutive_skips") else value
+        if n_layers:
+            offset = len(SCALAR_NAMES)
+            act_max = values[offset : offset + n_layers]
+            grad_max = values[offset + n_layers : offset + 2 * n_layers]
+            s = values[offset + 2 * n_layers :]
+            act_bad, act_numel, grad_under, grad_bad, grad_numel = (
+                s[i * n_layers : (i + 1) * n_layers] for i in range(5)
+            )
+            scale = self._grad_scale_used
+            for i, layer in enumerate(self._names):
+                if act_numel[i] > 0:
+                    figures[f"precision/act_absmax/{layer}"] = act_max[i]
+                    figures[f"precision/act_headroom/{layer}"] = _headroom(act_max[i])
+                    figures[f"precision/act_nonfinite/{layer}"] = act_bad[i] / act_numel[i]
+                if grad_numel[i] > 0:
+                    figures[f"precision/grad_absmax/{layer}"] = grad_max[i]
+                    figures[f"precision/grad_headroom/{layer}"] = _headroom(grad_max[i] * scale)
+                    figures[f"precision/grad_underflow/{layer}"] = grad_under[i] / grad_numel[i]
+                    figures[f"precision/grad_nonfinite/{layer}"] = grad_bad[i] / grad_numel[i]
+        self.last = figures
+        step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning logs this step's metrics
+        self.history.append(
+            (trainer.global_step, figures.get("precision/loss_scale"), int(figures["precision/skipped_steps"]))
+        )
+        for logger in trainer.loggers:
+            logger.log_metrics(figures, step=step)
+
+    # ------------------------------------------------------------------ per-layer figures (logging steps only)
+    def _forward_hook(self, index: int) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for t in _floating_tensors(output):
+                t = _local(t.detach())
+                self._act[index].append((_absmax(t), (~torch.isfinite(t)).sum(), t.numel()))
+
+        return hook
+
+    def _layer_grads(self, seen_scale: float, scale: float) -> None:
+        # |g_true| * scale < tiny  <=>  |g_seen| < tiny * seen_scale / scale
+        threshold = FP16_TINY * seen_scale / scale
+        with torch.no_grad():
+            for i, module in enumerate(self._modules):
+                grads = [_local(p.grad) for p in module.parameters(recurse=False) if p.grad is not None]
+                grads = [g for g in grads if g.numel() > 0]
+                if not grads:
+                    continue
+                absmax = torch.stack([_absmax(g) for g in grads]).max() / seen_scale
+                under = sum((g.abs() < threshold).sum() for g in grads)
+                bad = sum((~torch.isfinite(g)).sum() for g in grads)
+                numel = sum(g.numel() for g in grads)
+                if i in self._grad:  # several optimizers step in one batch
+                    a, u, b, n = self._grad[i]
+                    absmax, under, bad, numel = torch.maximum(a, absmax), u + under, b + bad, n + numel
+                self._grad[i] = (absmax, under, bad, numel)
+
+    def _layer_vectors(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        n = len(self._names)
+        maxima = torch.zeros(2 * n, dtype=torch.float64, device=device)
+        sums = torch.zeros(5 * n, dtype=torch.float64, device=device)
+        for i, entries in self._act.items():
+            maxima[i] = torch.stack([e[0] for e in entries]).max().to(device, torch.float64)
+            sums[i] = torch.stack([e[1] for e in entries]).sum().to(device, torch.float64)
+            sums[n + i] = float(sum(e[2] for e in entries))
+        for i, (absmax, under, bad, numel) in self._grad.items():
+            maxima[n + i] = absmax.to(device, torch.float64)
+            sums[2 * n + i] = torch.as_tensor(under).to(device, torch.float64)
+            sums[3 * n + i] = torch.as_tensor(bad).to(device, torch.float64)
+            sums[4 * n + i] = float(numel)
+        return maxima, sums
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # ------------------------------------------------------------------ plot and checkpoints
+    def _draw(self, path: str) -> None:
+        from matplotlib.figure import Figure  # optional dependency, checked at construction
+
+        steps = [h[0] for h in self.history]
+        scales = [h[1] for h in self.history]
+        skipped = [h[2] for h in self.history]
+        has_scale = any(s is not None for s in scales)
+        figure = Figure(figsize=(7, 5 if has_scale else 3), layout="constrained")
+        axes = figure.subplots(2 if has_scale else 1, 1, sharex=True, squeeze=False)[:, 0]
+        if has_scale:
+            axes[0].step(steps, [s if s is not None else math.nan for s in scales], where="post")
+            axes[0].set_yscale("log", base=2)
+            axes[0].set_ylabel("loss scale")
+            axes[0].set_title("PrecisionMonitor")
+        axes[-1].step(steps, skipped, where="post", color="tab:red")
+        axes[-1].set_ylabel("skipped steps (total)")
+        axes[-1].set_xlabel("optimizer step")
+        figure.savefig(path, dpi=100)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        steps, skipped, consecutive = self._native.read()
+        return {
+            "native_steps": steps,
+            "native_skipped_steps": skipped,
+            "native_consecutive_skips": consecutive,
+            "window_start": list(self._window_start) if self._window_start is not None else None,
+            "history": [list(h) for h in self.history],
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._native.load(
+            int(state_dict.get("native_steps", 0)),
+            int(state_dict.get("native_skipped_steps", 0)),
+            int(state_dict.get("native_consecutive_skips", 0)),
+        )
+        window = state_dict.get("window_start")
+        self._window_start = (int(window[0]), int(window[1])) if window is not None else None
+        self.history = [(int(s), None if v is None else float(v), int(k)) for s, v, k in state_dict.get("history", [])]
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _mp_stats(trainer: Trainer) -> Optional[StepStats]:
+    """MPPlugin's StepStats (read fresh: a precision switch replaces it), or None for other plugins."""
+    stats = getattr(trainer.precision_plugin, "stats", None)
+    return stats if isinstance(stats, StepStats) else None
+
+
+def _floating_tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value] if value.is_floating_point() and value.numel() > 0 else []
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _floating_tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _floating_tensors(v)]
+    return []
+
+
+def _total_norm(grads: list[Tensor]) -> Tensor:
+    with torch.no_grad():
+        get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+        if get_total_norm is not None:
+            return get_total_norm(grads, 2.0).float()
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).float() for g in grads]))
+
+
+def _local(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor (FSDP2, tensor parallelism): reductions on it stay local, no collective."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _grads_are_sharded(trainer: Trainer) -> bool:
+    from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+
+    return isinstance(trainer.strategy, (FSDPStrategy, ModelParallelStrategy))
+
+
+def _absmax(t: Tensor) -> Tensor:
+    """Largest |value| in one read-only pass (NaN if any NaN), as float32."""
+    low, high = torch.aminmax(_local(t.detach()))
+    return torch.maximum(high.float(), low.float().neg_())
+
+
+def _headroom(absmax: float) -> float:
+    """Bits between ``absmax`` and fp16's largest value (inf for all-zero, -inf for inf, nan for nan)."""
+    if math.isnan(absmax):
+        return math.nan
+    if absmax == 0:
+        return math.inf
+    if math.isinf(absmax):
+        return -math.inf
+    return math.log2(FP16_MAX / absmax)
+
+
+class _NativeSkips:
+    """Skip counters for a native ``torch.amp.GradScaler``, kept on the device between logging steps.
+
+    The verdict comes from the scaler's per-optimizer ``found_inf`` when the gradients were unscaled before
+    ``on_before_optimizer_step``; a fused optimizer unscales inside its step, so then a drop of the scale
+    across the step tells (a native scaler backs off on every overflow).
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0  # host: optimizer steps seen
+        self._init = (0, 0)
+        self._skipped: Optional[Tensor] = None
+        self._consecutive: Optional[Tensor] = None
+        self._scale_before: Optional[Tensor] = None
+        self._compare_scale = False
+
+    def reset_device(self, device: torch.device) -> None:
+        self._skipped = torch.full((), float(self._init[0]), dtype=torch.float32, device=device)
+        self._consecutive = torch.full((), float(self._init[1]), dtype=torch.float32, device=device)
+        self._scale_before = torch.zeros((), dtype=torch.float32, device=device)
+
+    def observe(self, scaler: Any, optimizer: Any) -> bool:
+        """Record this optimizer's verdict; returns whether its gradients are still scaled."""
+        found = scaler._found_inf_per_device(optimizer)  # documented private accessor; {} until unscaled
+        if found:
+            flags = list(found.values())
+            flag = flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+            self._count(flag)
+            return False
+        scale = scaler._get_scale_async()
+        if scale is not None and not self._compare_scale:
+            self._scale_before.copy_(scale, non_blocking=True)
+            self._compare_scale = True
+        return True
+
+    def after_step(self, scaler: Any) -> None:
+        if self._compare_scale and scaler is not None:
+            scale = scaler._get_scale_async()
+            if scale is not None:
+                self._count(scale.to(self._scale_before.device) < self._scale_before)
+        self._compare_scale = False
+
+    def _count(self, flag: Tensor) -> None:
+        flag = flag.to(device=self._skipped.device, dtype=torch.float32)
+        self._skipped.add_(flag)
+        self._consecutive.add_(1).mul_(flag)
+
+    def read(self) -> tuple[int, int, int]:
+        if self._skipped is None:
+            return self.steps, self._init[0], self._init[1]
+        skipped, consecutive = torch.stack([self._skipped, self._consecutive]).tolist()
+        return self.steps, int(skipped), int(consecutive)
+
+    def load(self, steps: int, skipped: int, consecutive: int) -> None:
+        self.steps = steps
+        self._init = (skipped, consecutive)
+        if self._skipped is not None:
+            self._skipped.fill_(skipped)
+            self._consecutive.fill_(consecutive)
+
+
+class _RankAgreement(Metric):
+    """Figures agreed over ranks: maxima (largest value on any rank) and sums (element counts).
+
+    A torchmetrics aggregator over vectors: ``compute()`` gathers the states of every rank and reduces them
+    with ``dist_reduce_fx``; on one process it returns them as they are.
+    """
+
+    full_state_update = False
+
+    def __init__(self, n_max: int, n_sum: int) -> None:
+        super().__init__(sync_on_compute=True)
+        self.add_state("maxima", default=torch.full((n_max,), -math.inf, dtype=torch.float64), dist_reduce_fx="max")
+        self.add_state("sums", default=torch.zeros(n_sum, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, maxima: Tensor, sums: Tensor) -> None:
+        self.maxima = torch.maximum(self.maxima, maxima.to(self.maxima))
+        self.sums = self.sums + sums.to(self.sums)
+
+    def compute(self) -> tuple[Tensor, Tensor]:
+        return self.maxima, self.sums

@@ -1,0 +1,323 @@
+"""PrecisionMonitor in a real Trainer on the CPU: metric names and values in a CSVLogger file, with MPPlugin,
+Lightning's native 16-mixed (a real fp16 GradScaler) and bf16-mixed, per-layer figures, cost and the plot."""
+
+import csv
+import math
+import multiprocessing
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TinyRegressor, make_trainer
+from lightning.pytorch import Callback
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_mp import MPPlugin
+from lightning_mp.callbacks import PrecisionMonitor
+from lightning_mp.callbacks import monitor as monitor_module
+from lightning_mp.stats import StepStats
+
+FP16_TINY = 2.0**-14
+
+
+def read_csv(root: Path) -> list[dict[str, str]]:
+    (path,) = [Path(d) / f for d, _, files in os.walk(root) for f in files if f == "metrics.csv"]
+    with open(path) as fh:
+        return list(csv.DictReader(fh))
+
+
+def precision_rows(root: Path) -> list[dict[str, str]]:
+    return [r for r in read_csv(root) if r.get("precision/skipped_steps")]
+
+
+def fit(tmp_path, plugin=None, callbacks=(), max_steps=8, model=None, **kwargs):
+    trainer = make_trainer(
+        plugin, max_steps=max_steps, callbacks=callbacks, logger=CSVLogger(tmp_path), log_every_n_steps=2, **kwargs
+    )
+    trainer.fit(model or TinyRegressor())
+    return trainer
+
+
+def native_fp16(init_scale=1024.0):
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=init_scale))
+
+
+# poisoned batches 1, 4, 5 -> optimizer steps 2, 5 and 6 overflow; logged after steps 2, 4, 6, 8
+EXPECTED = {
+    "step": ["1", "3", "5", "7"],  # the index Lightning logs optimizer step k's metrics at: k - 1
+    "precision/skipped_steps": [1, 1, 3, 3],
+    "precision/consecutive_skips": [1, 0, 2, 0],
+    "precision/skip_rate": [0.5, 0.0, 1.0, 0.0],
+    "precision/loss_scale": [512.0, 512.0, 128.0, 128.0],
+}
+
+
+def assert_expected(rows):
+    assert [r["step"] for r in rows] == EXPECTED["step"]
+    for name in ("precision/skipped_steps", "precision/consecutive_skips"):
+        assert [int(float(r[name])) for r in rows] == EXPECTED[name], name
+    for name in ("precision/skip_rate", "precision/loss_scale"):
+        assert [float(r[name]) for r in rows] == EXPECTED[name], name
+    # the logging steps 2 and 6 overflowed: their gradient norm says so
+    assert [math.isfinite(float(r["precision/grad_norm"])) for r in rows] == [False, True, False, True]
+    assert float(rows[1]["precision/grad_norm"]) > 0 and float(rows[3]["precision/grad_norm"]) > 0
+
+
+def test_mpplugin_fp16_values_in_the_csv_file(tmp_path):
+    monitor = PrecisionMonitor(log_every_n_steps=2)
+    plugin = MPPlugin("fp16", init_scale=1024.0)
+    fit(tmp_path, plugin, [monitor], model=TinyRegressor(poison_loss=(1, 4, 5)))
+    rows = precision_rows(tmp_path)
+    assert_expected(rows)
+    assert plugin.stats.skipped_steps == 3 and plugin.stats.loss_scale == 128.0
+    assert monitor.history == [(2, 512.0, 1), (4, 512.0, 1), (6, 128.0, 3), (8, 128.0, 3)]
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+def test_native_16_mixed_scaler_values_in_the_csv_file(tmp_path, optimizer):
+    # a real fp16 GradScaler on the CPU; with a fused optimizer it unscales inside the step
+    monitor = PrecisionMonitor(log_every_n_steps=2)
+    trainer = fit(tmp_path, native_fp16(), [monitor], model=TinyRegressor(poison_loss=(1, 4, 5), optimizer=optimizer))
+    assert_expected(precision_rows(tmp_path))
+    assert trainer.scaler.get_scale() == 128.0
+
+
+def test_grad_norm_is_unscaled_with_fused_and_plain_optimizers(tmp_path):
+    norms = {}
+    for optimizer in ("adam", "adamw_fused"):
+        monitor = PrecisionMonitor(log_every_n_steps=1)
+        torch.manual_seed(0)
+        model = TinyRegressor(optimizer=optimizer)
+        fit(tmp_path / optimizer, native_fp16(init_scale=2.0**12), [monitor], max_steps=1, model=model)
+        norms[optimizer] = monitor.last["precision/grad_norm"]
+    # the first step: same weights, same batch; the fused path divides the scaled gradients by the scale
+    assert norms["adamw_fused"] == pytest.approx(norms["adam"], rel=1e-3)
+    model = TinyRegressor()
+    x, y = next(iter(model.train_dataloader()))
+    torch.manual_seed(0)
+    reference = TinyRegressor().eval()  # eval: no poison bookkeeping, no trainer needed
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    assert norms["adam"] == pytest.approx(float(expected), rel=2e-2)  # fp16 autocast vs fp32
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed", "32-true"])
+def test_native_plugins_without_a_scaler(tmp_path, precision):
+    # on the CPU Lightning turns "16-mixed" into bf16-mixed: no scaler, nothing skipped
+    monitor = PrecisionMonitor()
+    trainer = fit(tmp_path, None, [monitor], precision=precision)
+    assert trainer.scaler is None
+    rows = precision_rows(tmp_path)
+    assert [r["step"] for r in rows] == ["1", "3", "5", "7"]  # Trainer(log_every_n_steps=2) is the default
+    assert "precision/loss_scale" not in rows[0] or rows[0]["precision/loss_scale"] == ""
+    assert {float(r["precision/skipped_steps"]) for r in rows} == {0.0}
+    assert {float(r["precision/skip_rate"]) for r in rows} == {0.0}
+    assert all(float(r["precision/grad_norm"]) > 0 for r in rows)
+
+
+def test_mpplugin_bf16_skips_are_counted_without_a_loss_scale(tmp_path):
+    monitor = PrecisionMonitor(log_every_n_steps=4)
+    fit(tmp_path, MPPlugin("bf16"), [monitor], model=TinyRegressor(poison_grad=(2,), poison_value=math.nan))
+    rows = precision_rows(tmp_path)
+    assert [(r["step"], float(r["precision/skipped_steps"]), float(r["precision/skip_rate"])) for r in rows] == [
+        ("3", 1.0, 0.25),
+        ("7", 1.0, 0.0),
+    ]
+    assert rows[0].get("precision/loss_scale", "") == ""
+
+
+class LayerProbe(Callback):
+    """Independent per-layer figures of chosen steps: outputs via hooks, gradients before the step."""
+
+    def __init__(self, steps, scale=1.0):
+        self.steps, self.scale = steps, scale
+        self.act, self.grad, self.handles = {}, {}, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 in self.steps:
+            for name in ("net1", "net2"):
+                module = getattr(pl_module, name)
+                hook = lambda m, a, out, n=name: self.act.__setitem__(n, out.detach().float())  # noqa: E731
+                self.handles.append(module.register_forward_hook(hook))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step + 1 in self.steps:
+            for name in ("net1", "net2"):
+                module = getattr(pl_module, name)
+                self.grad[name] = torch.cat([p.grad.detach().flatten().float() for p in module.parameters()])
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def test_layer_figures_match_an_independent_computation(tmp_path):
+    monitor = PrecisionMonitor(log_every_n_steps=3, layer_stats=True)
+    probe = LayerProbe({3})
+    plugin = MPPlugin("fp16", init_scale=2.0**6, growth_interval=100)
+    fit(tmp_path, plugin, [monitor, probe], max_steps=3, model=TinyRegressor())
+    rows = precision_rows(tmp_path)
+    assert len(rows) == 1
+    row = {k: float(v) for k, v in rows[0].items() if v != ""}
+    for name in ("net1", "net2"):
+        act, grad = probe.act[name], probe.grad[name]
+        absmax = float(act.abs().max())
+        assert row[f"precision/act_absmax/{name}"] == pytest.approx(absmax)
+        assert row[f"precision/act_headroom/{name}"] == pytest.approx(math.log2(65504.0 / absmax))
+        assert row[f"precision/act_nonfinite/{name}"] == 0.0
+        gmax = float(grad.abs().max())
+        assert row[f"precision/grad_absmax/{name}"] == pytest.approx(gmax)
+        assert row[f"precision/grad_headroom/{name}"] == pytest.approx(math.log2(65504.0 / (gmax * 2.0**6)))
+        underflow = float((grad.abs() * 2.0**6 < FP16_TINY).float().mean())
+        assert row[f"precision/grad_underflow/{name}"] == pytest.approx(underflow)
+        assert row[f"precision/grad_nonfinite/{name}"] == 0.0
+    # relu makes some of net2's inputs zero, but never whole gradient columns of net1: a sanity bound
+    assert 0.0 <= row["precision/grad_underflow/net1"] < 1.0
+
+
+def test_layer_figures_show_zeros_and_non_finite_values(tmp_path):
+    model = TinyRegressor()
+    with torch.no_grad():
+        model.net2.weight.zero_()  # net1 then gets all-zero gradients: 100 % underflow, infinite headroom
+    monitor = PrecisionMonitor(log_every_n_steps=1, layer_stats=True, layers=r"^net\d$")
+    fit(tmp_path / "zeros", MPPlugin("fp32"), [monitor], max_steps=1, model=model)
+    assert monitor.last["precision/grad_underflow/net1"] == 1.0
+    assert monitor.last["precision/grad_headroom/net1"] == math.inf
+
+    monitor = PrecisionMonitor(log_every_n_steps=1, layer_stats=True, layers=r"^net\d$")
+    fit(tmp_path / "inf", MPPlugin("fp32"), [monitor], max_steps=1, model=TinyRegressor(poison_activation=(0,)))
+    last = monitor.last
+    # one inf in net2's 8 x 32 input: one of its 8 outputs is non-finite
+    assert last["precision/act_nonfinite/net2"] == pytest.approx(1 / 8)
+    assert last["precision/act_headroom/net2"] == -math.inf or math.isnan(last["precision/act_headroom/net2"])
+    assert last["precision/act_nonfinite/net1"] == 0.0
+
+
+def test_costs_nothing_between_logging_steps(tmp_path, monkeypatch):
+    reads = []
+    original = StepStats.as_dict
+    monkeypatch.setattr(StepStats, "as_dict", lambda self: reads.append(1) or original(self))
+    for prop in ("skipped", "skipped_steps", "consecutive_skips", "steps", "loss_scale"):
+        monkeypatch.setattr(StepStats, prop, property(lambda self, p=prop: pytest.fail(f"StepStats.{p} read")))
+    hooks_seen = []
+
+    class HookCount(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            hooks_seen.append(len(pl_module.net1._forward_hooks))
+
+    monitor = PrecisionMonitor(log_every_n_steps=4, layer_stats=True)
+    fit(tmp_path, MPPlugin("fp16"), [monitor, HookCount()], max_steps=8)
+    assert len(reads) == 2  # steps 4 and 8: one StepStats copy each
+    assert hooks_seen == [0, 0, 0, 1, 0, 0, 0, 1]  # layer hooks only during logging steps
+    assert len(monitor._hooks) == 0
+
+
+def test_accumulation_logs_once_per_optimizer_step(tmp_path):
+    monitor = PrecisionMonitor(log_every_n_steps=2)
+    model = TinyRegressor(poison_loss=(2,))
+    fit(tmp_path, native_fp16(), [monitor], max_steps=4, accumulate_grad_batches=2, model=model)
+    rows = precision_rows(tmp_path)
+    # optimizer step 2 holds micro-batches 2 and 3 (batch 2 poisoned): one skip
+    assert [(r["step"], float(r["precision/skipped_steps"]), float(r["precision/loss_scale"])) for r in rows] == [
+        ("1", 1.0, 512.0),
+        ("3", 1.0, 512.0),
+    ]
+
+
+def test_native_counters_survive_resume(tmp_path):
+    monitor = PrecisionMonitor(log_every_n_steps=2)
+    trainer = fit(tmp_path / "a", native_fp16(), [monitor], max_steps=4, model=TinyRegressor(poison_loss=(1,)))
+    path = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(path)
+    state = torch.load(path, weights_only=True)["callbacks"]["PrecisionMonitor"]
+    assert state["native_skipped_steps"] == 1 and state["history"] == [[2, 512.0, 1], [4, 512.0, 1]]
+
+    resumed = PrecisionMonitor(log_every_n_steps=2)
+    logger = CSVLogger(tmp_path / "b")
+    trainer = make_trainer(native_fp16(), max_steps=8, callbacks=[resumed], logger=logger, log_every_n_steps=2)
+    trainer.fit(TinyRegressor(poison_loss=(1, 5), batches_by_index=True), ckpt_path=path)
+    assert resumed.history[-1] == (8, 256.0, 2)
+    assert resumed.last["precision/skip_rate"] == 0.0 and resumed.history[-2] == (6, 256.0, 2)
+
+
+def test_plot_is_written_at_the_end_of_fit(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "precision.png"
+    monitor = PrecisionMonitor(log_every_n_steps=1, plot=str(path))
+    fit(tmp_path, native_fp16(), [monitor], model=TinyRegressor(poison_loss=(2,)))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_is_picklable_and_arguments_are_validated():
+    pickle.dumps(PrecisionMonitor(layer_stats=True, layers="net"))
+    for kwargs, fragment in [
+        ({"log_every_n_steps": 0}, "log_every_n_steps=0"),
+        ({"log_every_n_steps": True}, "log_every_n_steps=True"),
+        ({"log_every_n_steps": "5"}, "log_every_n_steps='5'"),
+        ({"layer_stats": "yes"}, "layer_stats='yes'"),
+        ({"layers": "("}, "not a valid regular expression"),
+        ({"plot": ""}, "plot=''"),
+    ]:
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace("'", "'")):
+            PrecisionMonitor(**kwargs)
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs the fork start method")
+def test_agrees_across_ddp_ranks(tmp_path, monkeypatch):
+    """Two CPU processes see different batches; every rank computes the same figures (the maxima over ranks).
+
+    ``ddp_fork``: the workers inherit the imported modules, so the test takes a second, not twenty.
+    """
+    out = tmp_path / "ranks"
+    out.mkdir()
+
+    trainer = make_trainer(
+        MPPlugin("fp16", init_scale=256.0),
+        max_steps=2,
+        callbacks=[PrecisionMonitor(log_every_n_steps=2, layer_stats=True), _RankDump(str(out))],
+        strategy="ddp_fork",
+        devices=2,
+    )
+    torch.manual_seed(0)
+    trainer.fit(TinyRegressor())
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert ranks[0]["last"] == ranks[1]["last"]
+    for name in ("net1", "net2"):
+        local = [r["local_act_max"][name] for r in ranks]
+        assert local[0] != local[1]  # different data on each rank
+        assert ranks[0]["last"][f"precision/act_absmax/{name}"] == pytest.approx(max(local))
+
+    # sharded gradients (FSDP): the norm over all shards is the root of the sum of the ranks' squares; here
+    # DDP's replicated gradients stand in for two shards, so it comes out sqrt(2) times the replicated norm
+    monkeypatch.setattr(monitor_module, "_grads_are_sharded", lambda trainer: True)
+    trainer = make_trainer(
+        MPPlugin("fp16", init_scale=256.0),
+        max_steps=2,
+        callbacks=[PrecisionMonitor(log_every_n_steps=2), _RankDump(str(out))],
+        strategy="ddp_fork",
+        devices=2,
+    )
+    torch.manual_seed(0)
+    trainer.fit(TinyRegressor())
+    sharded = torch.load(out / "rank0.pt", weights_only=True)["last"]["precision/grad_norm"]
+    assert sharded == pytest.approx(math.sqrt(2) * ranks[0]["last"]["precision/grad_norm"], rel=1e-6)
+
+
+class _RankDump(Callback):
+    def __init__(self, folder):
+        self.folder, self.local, self.handles = folder, {}, []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == 1:
+            for name in ("net1", "net2"):
+                hook = lambda m, a, out, n=name: self.local.__setitem__(n, float(out.detach().abs().max()))
+                self.handles.append(getattr(pl_module, name).register_forward_hook(hook))
+
+    def on_train_end(self, trainer, pl_module):
+        monitor = next(c for c in trainer.callbacks if isinstance(c, PrecisionMonitor))
+        path = os.path.join(self.folder, f"rank{trainer.global_rank}.pt")
+        torch.save({"last": monitor.last, "local_act_max": self.local}, path)
