@@ -377,6 +377,13 @@ def write_plot(results: list[ModeResult], path: str) -> None:
 # --------------------------------------------------------------------------------------------- models
 BUILTIN_MODELS = {
     "gpt-mini": "lightning_mp.demo:TinyByteLM",
+    # the repository's examples (run from the repository root)
+    "examples.gpt_mini": "examples.gpt_mini:GPTMini",
+    "examples.vlm_mini": "examples.vlm_mini:VLMMini",
+}
+BUILTIN_DATAMODULES = {
+    "examples.gpt_mini": "examples.gpt_mini:ByteTextDataModule",
+    "examples.vlm_mini": "examples.vlm_mini:DigitCaptionDataModule",
 }
 
 
@@ -423,7 +430,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         model_cls = load_class(args.model)
         model_kwargs = json.loads(args.model_args)
-        dm_cls = load_class(args.datamodule) if args.datamodule else None
+        datamodule = args.datamodule or BUILTIN_DATAMODULES.get(args.model)
+        dm_cls = load_class(datamodule) if datamodule else None
         dm_kwargs = json.loads(args.datamodule_args)
     except (ValueError, json.JSONDecodeError) as err:
         parser.error(str(err))

@@ -58,6 +58,8 @@ def parse_master_weights(value: object) -> str:
     Raises:
         ValueError: naming the value and the accepted ones.
     """
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):  # the command line passes strings
+        value = value.strip().lower() == "true"
     if isinstance(value, bool):
         return "fp32" if value else "none"
     if isinstance(value, str) and value.strip().lower() in MASTER_WEIGHT_KINDS:
