@@ -328,9 +328,18 @@ class NonFiniteDetector(Callback):
                 if g.numel() == 0:
                     continue
                 grouped[(g.device, g.dtype)].append((self._param_names.get(id(p), "?"), g))
+        maxima = []
         for entries in grouped.values():
-            rec.par_values.append(_absmax_each([g for _, g in entries]))
+            maxima.append(_absmax_each([g for _, g in entries]))
             rec.par_names.extend(n for n, _ in entries)
+        rec.par_values.extend(maxima)
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if maxima and hasattr(scaler, "record_check_from_"):
+            # MPPlugin without loss scaling checks every gradient for inf/NaN after this hook: this pass has
+            # just read them all, so it gives the verdict and the plugin skips its own pass
+            devices = {m.device for m in maxima}
+            if len(devices) == 1:
+                scaler.record_check_from_(getattr(optimizer, "_optimizer", optimizer), torch.cat(maxima).max())
         if self.action == "skip" and trainer.scaler is None and rec.par_values:
             # nothing else skips this step: decide on the host (one sync) and leave the parameters alone
             latest = torch.cat(rec.par_values)
