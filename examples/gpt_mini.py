@@ -34,15 +34,17 @@ import importlib.util
 import math
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_mp.cli import MPLightningCLI
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mp.cli import MPLightningCLI
 
 #: standard-library modules whose source is the default corpus (about 720 kB on Python 3.11)
 DEFAULT_MODULES = (
@@ -380,6 +382,8 @@ class GPTMini(LightningModule):
 
 def main(args: Optional[list[str]] = None) -> MPLightningCLI:
     """``python -m examples.gpt_mini fit --config examples/configs/gpt_mini_bf16.yaml`` (``args`` for tests)."""
+    from lightning_mp.cli import MPLightningCLI  # needs jsonargparse: imported only for the CLI
+
     return MPLightningCLI(GPTMini, ByteTextDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 

@@ -28,16 +28,18 @@ precision and adds ``lightning_mp.PrecisionMonitor``; ``--print_config`` shows e
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import TYPE_CHECKING, Literal, Optional
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_mp.cli import MPLightningCLI
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from examples.gpt_mini import Block, init_weights, warmup_cosine
-from lightning_mp.cli import MPLightningCLI
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 ALPHABET = " abcdefghijklmnopqrstuvwxyz"
@@ -349,6 +351,8 @@ class VLMMini(LightningModule):
 
 def main(args: Optional[list[str]] = None) -> MPLightningCLI:
     """``python -m examples.vlm_mini fit --config examples/configs/vlm_mini_bf16.yaml`` (``args`` for tests)."""
+    from lightning_mp.cli import MPLightningCLI  # needs jsonargparse: imported only for the CLI
+
     return MPLightningCLI(VLMMini, DigitCaptionDataModule, args=args, save_config_kwargs={"overwrite": True})
 
 
