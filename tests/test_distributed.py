@@ -46,7 +46,7 @@ def test_inf_on_one_rank_is_skipped_by_every_rank(tmp_path, mode, value):
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy="ddp_spawn",
+        strategy="ddp_fork",
         plugins=[MPPlugin(mode, init_scale=2.0**8)],
         max_steps=6,
         logger=False,

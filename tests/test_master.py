@@ -600,7 +600,7 @@ def test_ddp_replicas_stay_identical(tmp_path, kind, accumulate):
     from lightning.pytorch import Trainer
 
     trainer = Trainer(
-        accelerator="cpu", devices=2, strategy="ddp_spawn", max_steps=4, accumulate_grad_batches=accumulate,
+        accelerator="cpu", devices=2, strategy="ddp_fork", max_steps=4, accumulate_grad_batches=accumulate,
         plugins=[MPPlugin("bf16-true", master_weights=kind)], logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[DumpRanks(str(tmp_path))],
     )
