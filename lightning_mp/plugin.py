@@ -438,7 +438,12 @@ class MPPlugin(MixedPrecision):
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
-        guarded = apply_fp32_guards(module, self.fp32_guards)
+        spec = self.fp32_guards
+        if self.mode is not None and self.mode.name in ("bf16", "fp16"):
+            lightning_module = _unwrap_lightning_module(module)
+            if _root_device(lightning_module, module).type == "cuda":
+                spec = spec.without_autocast_fp32()  # CUDA autocast runs these in fp32 already
+        guarded = apply_fp32_guards(module, spec)
         if self.mode is not None and self.mode.true_half:
             cast_module_(module, self.mode.param_dtype, keep_fp32=guarded)
         if self.mode is not None and self.mode.name == "fp8" and self._fp8 is not None and self._fp8.model is not module:

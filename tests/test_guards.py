@@ -296,3 +296,14 @@ def test_default_list_is_documented_and_guards_off_with_an_empty_list():
     make_trainer(MPPlugin("bf16-true", fp32_modules=[]), max_steps=1).fit(model)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     assert fp32_guard_of(model.norm) is None
+
+
+def test_cuda_autocast_modes_skip_guards_autocast_already_runs_in_fp32():
+    from lightning_mp.guards import AUTOCAST_FP32_ON_CUDA, DEFAULT_FP32_MODULES, FP32GuardSpec
+
+    reduced = FP32GuardSpec.from_arg(["defaults", "*.router"]).without_autocast_fp32()
+    assert "*LayerNorm" not in reduced.patterns and "*Loss" not in reduced.patterns
+    assert {"*BatchNorm*", "*RMSNorm", "*InstanceNorm*", "*.router"} <= set(reduced.patterns)
+    assert set(reduced.patterns) == (set(DEFAULT_FP32_MODULES) - set(AUTOCAST_FP32_ON_CUDA)) | {"*.router"}
+    # a user's own entries stay
+    assert FP32GuardSpec.from_arg(["LayerNorm"]).without_autocast_fp32().patterns == ("LayerNorm",)
