@@ -52,7 +52,15 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_overhead import StepProbe, build_model, count_params, make_batches, make_optimizer, weights_fingerprint  # noqa: E402
+from bench_overhead import (  # noqa: E402
+    StepProbe,
+    build_model,
+    count_params,
+    fmt,
+    make_batches,
+    make_optimizer,
+    weights_fingerprint,
+)
 
 ALL_MODES = ("mp-bf16", "mp-fp8", "mp-fp8-all", "mp-fp8-bf16w", "mp-fp8-bf16w-all", "lightning-te")
 FP8_SETTINGS: dict[str, dict[str, Any]] = {
@@ -195,10 +203,6 @@ def cleanup() -> None:
 
 
 # --------------------------------------------------------------------------------------------- report
-def fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"
-
-
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| size | mode | step ms | tokens/s | MFU (bf16 ceiling) | peak GiB | FP8 share | final loss | vs mp-bf16 | vs lightning-te |",
