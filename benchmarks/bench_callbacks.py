@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import logging
 import os
 import statistics
 import sys
@@ -231,10 +230,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     import lightning
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+    bench_overhead.quiet_lightning()
     warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
 
     device = torch.cuda.get_device_name()

@@ -40,7 +40,6 @@ import datetime
 import gc
 import inspect
 import json
-import logging
 import os
 import sys
 import time
@@ -59,6 +58,7 @@ from bench_overhead import (  # noqa: E402
     fmt,
     make_batches,
     make_optimizer,
+    quiet_lightning,
     weights_fingerprint,
 )
 
@@ -268,10 +268,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     from lightning_mp.fp8.runtime import te_version
 
     check_fp8_support("cuda", "delayed")  # a clear message instead of a failing row per mode
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+    quiet_lightning()
 
     device = torch.cuda.get_device_name()
     meta = {

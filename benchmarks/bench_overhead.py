@@ -491,6 +491,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
+def quiet_lightning() -> None:
+    """Keep Lightning's info lines and known harmless warnings out of the benchmark output."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -498,10 +506,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     import lightning
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+    quiet_lightning()
 
     device = torch.cuda.get_device_name()
     n_params = count_params(args)

@@ -367,17 +367,24 @@ class GPTMini(LightningModule):
         return bytes(x[0].tolist()).decode("utf-8", errors="replace")
 
     def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr, betas=(0.9, 0.95),
-        )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return adamw_warmup_cosine(self)
+
+
+def adamw_warmup_cosine(module: LightningModule) -> dict:
+    """AdamW (no weight decay on biases and norms) with a step-interval warm-up + cosine schedule, from the
+    module's ``lr``, ``weight_decay``, ``warmup_steps`` and ``min_lr_ratio`` hyperparameters."""
+    hp = module.hparams
+    decay = [p for p in module.parameters() if p.dim() >= 2]
+    no_decay = [p for p in module.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=hp.lr, betas=(0.9, 0.95),
+    )
+    total = max(1, int(module.trainer.estimated_stepping_batches))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: warmup_cosine(step, hp.warmup_steps, total, hp.min_lr_ratio)
+    )
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
 def main(args: Optional[list[str]] = None) -> MPLightningCLI:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from examples.gpt_mini import Block, init_weights, warmup_cosine
+from examples.gpt_mini import Block, adamw_warmup_cosine, init_weights
 
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 ALPHABET = " abcdefghijklmnopqrstuvwxyz"
@@ -336,17 +336,7 @@ class VLMMini(LightningModule):
         return tokens
 
     def configure_optimizers(self):
-        decay = [p for p in self.parameters() if p.dim() >= 2]
-        no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr, betas=(0.9, 0.95),
-        )
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: warmup_cosine(step, self.hparams.warmup_steps, total, self.hparams.min_lr_ratio)
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return adamw_warmup_cosine(self)
 
 
 def main(args: Optional[list[str]] = None) -> MPLightningCLI:

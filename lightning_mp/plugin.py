@@ -582,12 +582,13 @@ class MPPlugin(MixedPrecision):
         if masters is not None:
             skipped = scaler.last_skipped_host
             # fused optimizers skip on the device: the verdict stays there (no host sync)
-            found_inf = _found_inf(scaler, optimizer) if skipped is None else None
+            found_inf = scaler.found_inf(optimizer) if skipped is None else None
             masters.finish(optimizer, skipped=skipped, found_inf=found_inf)
         scaler.update()
-        self._skip_records[id(optimizer)] = (
-            scaler.last_skipped_host if scaler.last_skipped_host is not None else scaler.counters_tensor()[3].clone()
-        )
+        if self._patched_module is not None:  # only held LR schedulers read it
+            self._skip_records[id(optimizer)] = (
+                scaler.last_skipped_host if scaler.last_skipped_host is not None else scaler.counters_tensor()[3].clone()
+            )
         self._check_divergence(model)
         return step_output
 
@@ -752,14 +753,6 @@ def _grads_synced(module: Any) -> bool:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return bool(model.require_backward_grad_sync)
     return True
-
-
-def _found_inf(scaler: DynamicLossScaler, optimizer: Optimizer) -> Optional[Tensor]:
-    """This step's inf/NaN verdict for ``optimizer`` as a device tensor (read before ``update()`` resets it)."""
-    found = list(scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
-    if not found:
-        return None
-    return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
 
 
 def _world_size() -> int:

@@ -248,6 +248,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
             scale.clamp_(self.min_scale, self.max_scale)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
+    def found_inf(self, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
+        """This step's inf/NaN verdict for ``optimizer`` as a device tensor (no sync; valid until ``update()``)."""
+        found = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
+
     def begin_step(self) -> None:
         """Forget the host-side outcome of the previous step (called before each optimizer step)."""
         self.last_skipped_host = None

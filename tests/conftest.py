@@ -199,6 +199,19 @@ def make_trainer(plugin=None, max_steps: int = 8, callbacks=(), **kwargs) -> Tra
     return Trainer(plugins=[plugin] if plugin is not None else None, callbacks=list(callbacks), **defaults)
 
 
+@pytest.fixture
+def check_passes(monkeypatch) -> list:
+    """Counts the separate inf/NaN gradient passes of MPPlugin's check-only scaler (one entry per pass)."""
+    from lightning_mp.scaling import DynamicLossScaler
+
+    calls: list = []
+    original = DynamicLossScaler._check_grads_
+    monkeypatch.setattr(
+        DynamicLossScaler, "_check_grads_", staticmethod(lambda opt, found: calls.append(1) or original(opt, found))
+    )
+    return calls
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     seed_everything(0, workers=True)

@@ -298,20 +298,15 @@ def test_is_picklable_and_arguments_are_validated():
             NonFiniteDetector(**kwargs)
 
 
-def test_with_mpplugin_bf16_the_detector_pass_is_the_plugins_inf_check(monkeypatch):
+def test_with_mpplugin_bf16_the_detector_pass_is_the_plugins_inf_check(check_passes):
     """One read of the gradients serves both: the plugin takes its skip verdict from the detector's maxima."""
     import math
 
     from conftest import StepRecorder, TinyRegressor, assert_state_equal, make_trainer
 
     from lightning_mp import MPPlugin, NonFiniteDetector
-    from lightning_mp.scaling import DynamicLossScaler
 
-    calls = []
-    original = DynamicLossScaler._check_grads_
-    monkeypatch.setattr(
-        DynamicLossScaler, "_check_grads_", staticmethod(lambda opt, found: calls.append(1) or original(opt, found))
-    )
+    calls = check_passes
     recorder = StepRecorder()
     model = TinyRegressor(optimizer="adamw_fused", poison_grad=(2,), poison_value=math.nan)
     plugin = MPPlugin("bf16")
