@@ -26,6 +26,12 @@ Order of one optimizer step (automatic optimization), written down because it ma
    gradients are released so the next forward does not carry them.
 8. Lightning steps the LR schedulers; a step-interval scheduler whose optimizer skipped is held.
 
+Distributed: every rank takes the same skip decision (the inf/NaN verdict is all-reduced). Under Lightning's
+FSDP strategy the plugin is an ``FSDPPrecision`` (the strategy accepts no other): FSDP keeps the sharded fp32
+parameters, autocast casts per op exactly as on one device (so guards and numerics match), gradients are
+reduced in fp32 unless ``reduce_dtype`` says otherwise, fp16 uses torch's ``ShardedGradScaler`` machinery and
+clipping by norm goes through the root FSDP module's ``clip_grad_norm_`` (a norm over all shards).
+
 With ``precision="fp8"``, each step context runs Transformer Engine's autocast inside bf16 autocast (evaluation
 without it unless ``fp8_in_eval``); after each optimizer step, FP8 weight casts cached across micro-batches expire.
 """
@@ -41,7 +47,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch import LightningModule
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -55,10 +61,12 @@ from lightning_mp.fp8 import FP8Config, FP8Training
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
 from lightning_mp.master import MasterWeights, attach_master_weights, cast_module_, fp32_values, parse_master_weights
 from lightning_mp.modes import AUTO, MODES, PLANNED, auto_choice, PrecisionMode, parse_precision, provisional_lightning_precision, resolve_mode
-from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, StepStats
 
 log = logging.getLogger(__name__)
+
+_REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 _SCALER_DEFAULTS = {
     "init_scale": 2.0**16,
@@ -73,7 +81,7 @@ _SCALER_DEFAULTS = {
 }
 
 
-class MPPlugin(MixedPrecision):
+class MPPlugin(MixedPrecision, FSDPPrecision):
     """Mixed-precision training for any LightningModule: autocast, loss scaling, inf/NaN step skipping.
 
     Example::
@@ -130,6 +138,12 @@ class MPPlugin(MixedPrecision):
             :class:`~lightning_mp.fp8.FP8Config` or a dict of its fields (``recipe``, ``include``/``exclude``,
             ``keep_first``/``keep_last``, ``size_rule``, ``weights``, ``fp8_in_eval``, ...). ``None``: the defaults
             (delayed scaling, fp32 master weights, output head and small layers in bf16, bf16 evaluation).
+        reduce_dtype: the dtype gradients are reduced in across ranks: ``"fp32"`` (``None``, the default: as
+            they are, fp32) or ``"bf16"``/``"fp16"`` to halve the traffic (FSDP: its ``reduce_dtype``; DDP: torch's
+            bf16/fp16 compression hook). Needs a DDP or FSDP strategy.
+
+    With ``strategy="fsdp"`` the same plugin works (it is also an ``FSDPPrecision``) in the fp32, tf32, bf16 and
+    fp16 modes; ``bf16-true``/``fp16-true``/``fp8`` are refused there before training starts.
     """
 
     def __init__(
@@ -153,6 +167,7 @@ class MPPlugin(MixedPrecision):
         fp32_modules: Optional[list[str]] = None,
         master_weights: Optional[Union[str, bool]] = None,
         fp8: Optional[Union[FP8Config, dict]] = None,
+        reduce_dtype: Optional[str] = None,
     ) -> None:
         # deliberately not MixedPrecision.__init__: it needs the device up front and knows two modes only
         self._requested = parse_precision(precision)
@@ -191,6 +206,11 @@ class MPPlugin(MixedPrecision):
         # validate the scaler arguments now, whatever the mode, so YAML typos fail before training
         self._make_scaler("cpu", scaling=True)
         self.fp32_guards = FP32GuardSpec.from_arg(fp32_modules)
+        if reduce_dtype is not None and reduce_dtype not in _REDUCE_DTYPES:
+            raise ValueError(
+                f"reduce_dtype={reduce_dtype!r} is invalid: use one of {sorted(_REDUCE_DTYPES)}, or null for fp32."
+            )
+        self.reduce_dtype = reduce_dtype
         self._master_weights_arg = None if master_weights is None else parse_master_weights(master_weights)
 
         self.skip_nonfinite = skip_nonfinite
@@ -223,6 +243,9 @@ class MPPlugin(MixedPrecision):
                 " precision='fp8'."
             )
         self._fp32_weights_in_checkpoint: dict[str, Tensor] = {}
+        self._fsdp_root: Optional[torch.nn.Module] = None  # the root FSDP module, for clipping over all shards
+        self._sharded = False  # set when a convert_module sees Lightning's FSDP strategy
+        self._comm_hooked: list[torch.nn.Module] = []  # DDP models that got the reduce_dtype hook
         if self._requested in PLANNED:
             resolve_mode(self._requested, self.device)  # raises: known name, not runnable in this release
         if self._requested == AUTO:
@@ -240,7 +263,8 @@ class MPPlugin(MixedPrecision):
             kw["init_scale"] = float(loss_scale)
             kw["min_scale"] = min(kw["min_scale"], float(loss_scale))
             kw["max_scale"] = max(kw["max_scale"], float(loss_scale))
-        return DynamicLossScaler(device, **kw, dynamic=loss_scale is None, scaling=scaling)
+        cls = ShardedDynamicLossScaler if getattr(self, "_sharded", False) else DynamicLossScaler
+        return cls(device, **kw, dynamic=loss_scale is None, scaling=scaling)
 
     @property
     def master_weights(self) -> Optional[str]:
@@ -345,6 +369,8 @@ class MPPlugin(MixedPrecision):
         else:
             resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
         self._device_for_state = device
+        self._fsdp_root = model if _is_fsdp(model) else None
+        self._apply_reduce_dtype(model)
         if self.scaler is not None:
             self.scaler.ensure_initialized(device)
             self.scaler.sync_across_ranks = _world_size() > 1
@@ -359,6 +385,36 @@ class MPPlugin(MixedPrecision):
                 automatic_optimization=module.automatic_optimization if module is not None else True,
             )
         return model, optimizers, lr_schedulers
+
+    def _apply_reduce_dtype(self, model: Any) -> None:
+        if self.reduce_dtype in (None, "fp32"):
+            return
+        if _is_fsdp(model):
+            return  # FSDP reduces in mixed_precision_config.reduce_dtype
+        if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            rank_zero_warn(
+                f"MPPlugin: reduce_dtype={self.reduce_dtype!r} is set, but the model is not wrapped by DDP or FSDP:"
+                " there is no gradient reduction to compress. Use strategy='ddp' or 'fsdp', or leave reduce_dtype unset."
+            )
+            return
+        if any(hooked is model for hooked in self._comm_hooked):
+            return
+        if self.reduce_dtype == "bf16" and self.device != "cuda":
+            raise MisconfigurationException(
+                f"MPPlugin(reduce_dtype='bf16') under DDP on {self.device!r}: torch's bf16 gradient compression needs"
+                " CUDA and NCCL. Use reduce_dtype='fp16' or leave it unset (fp32) on this device."
+            )
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.bf16_compress_hook if self.reduce_dtype == "bf16" else default_hooks.fp16_compress_hook
+        try:
+            model.register_comm_hook(state=None, hook=hook)
+        except RuntimeError as err:
+            raise MisconfigurationException(
+                f"MPPlugin(reduce_dtype={self.reduce_dtype!r}) registers a DDP communication hook, but the model"
+                f" already has one ({err}). Pass either reduce_dtype or DDPStrategy(ddp_comm_hook=...), not both."
+            ) from err
+        self._comm_hooked.append(model)
 
     def _attach_master_weights(self, module: Optional[LightningModule], model: Any, optimizers: list) -> None:
         assert self.mode is not None
@@ -438,6 +494,7 @@ class MPPlugin(MixedPrecision):
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
+        self._check_sharding(module)
         spec = self.fp32_guards
         if self.mode is not None and self.mode.name in ("bf16", "fp16"):
             lightning_module = _unwrap_lightning_module(module)
@@ -453,6 +510,50 @@ class MPPlugin(MixedPrecision):
             self._fp8.convert(module, device=_root_device(lightning_module, module), announce=rank_zero_info)
         self._converted = module
         return module
+
+    def _check_sharding(self, module: torch.nn.Module) -> None:
+        """Under Lightning's FSDP strategy: refuse the modes FSDP cannot shard, use the sharded scaler."""
+        lightning_module = _unwrap_lightning_module(module)
+        trainer = getattr(lightning_module, "_trainer", None) if lightning_module is not None else None
+        sharded = _is_fsdp_strategy(getattr(trainer, "strategy", None))
+        if sharded and self.mode is not None and (self.mode.true_half or self.mode.name == "fp8"):
+            raise MisconfigurationException(
+                f"MPPlugin(precision={self.mode.name!r}) does not run under FSDP: FSDP flattens the parameters of each"
+                " wrapped unit into one tensor of one dtype, so half-precision weights next to fp32-guarded modules"
+                " (and fp32 master copies kept beside them) cannot be sharded"
+                + (", and Transformer Engine modules need their own FSDP integration" if self.mode.name == "fp8" else "")
+                + ". Use MPPlugin('bf16') with FSDP (the shards stay fp32, as master weights would be, and autocast"
+                " computes in bf16), or this mode with strategy='ddp'."
+            )
+        if sharded != self._sharded:
+            self._sharded = sharded
+            if self.mode is not None:
+                self._setup_mode(self.mode)  # the scaler's class changes, its state carries over
+
+    @property
+    def mixed_precision_config(self) -> Any:
+        """The ``torch.distributed.fsdp.MixedPrecision`` that Lightning's FSDP strategy wraps the model with.
+
+        Parameters (and buffers) stay fp32 in the shards and when gathered; autocast casts per op, exactly as on
+        one device, so guarded modules really run in fp32. Gradients are reduced in ``reduce_dtype`` (fp32 unless
+        set).
+        """
+        from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
+
+        reduce = None if self.reduce_dtype in (None, "fp32") else _REDUCE_DTYPES[self.reduce_dtype]
+        return FSDPMixedPrecision(param_dtype=None, reduce_dtype=reduce, buffer_dtype=None)
+
+    @override
+    def tensor_init_context(self) -> Any:
+        return Precision.tensor_init_context(self)  # not FSDPPrecision's: weights are created in fp32
+
+    @override
+    def module_init_context(self) -> Any:
+        return Precision.module_init_context(self)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return Precision.convert_output(self, data)
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -641,7 +742,10 @@ class MPPlugin(MixedPrecision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        norm = torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
+        if self._fsdp_root is not None:
+            norm = self._fsdp_root.clip_grad_norm_(clip_val)  # the norm over every rank's shards
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
         self.stats.record_grad_norm(norm)
         if self.scaler is not None:
             self.scaler.record_check_from_(optimizer, norm)  # the norm read every gradient: no second pass
@@ -753,6 +857,20 @@ def _grads_synced(module: Any) -> bool:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return bool(model.require_backward_grad_sync)
     return True
+
+
+def _is_fsdp(model: Any) -> bool:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(model, FullyShardedDataParallel)
+
+
+def _is_fsdp_strategy(strategy: Any) -> bool:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    return isinstance(strategy, FSDPStrategy)
 
 
 def _world_size() -> int:

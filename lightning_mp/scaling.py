@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 def _check_positive_finite(name: str, value: float) -> None:
@@ -206,6 +207,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             # The collective is enqueued on the device (no host sync).
             for found in state["found_inf_per_device"].values():
                 torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
+                found.clamp_(max=1.0)  # a summing all-reduce (ShardedGradScaler.unscale_) gives 2+; fused steps test == 1
         return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
@@ -343,3 +345,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
             state["_init_hysteresis_tracker"] = int(self._hysteresis_tracker.item())
         state["_hysteresis_tracker"] = None
         return state
+
+
+class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
+    """:class:`DynamicLossScaler` on top of torch's ``ShardedGradScaler``, for FSDP.
+
+    ``ShardedGradScaler`` unscales gradient shards wherever they live (CPU offload included) and sums the
+    inf/NaN verdict over the process group inside ``unscale_``; hysteresis, min/max scale, counters and the
+    check-only mode are :class:`DynamicLossScaler`'s. MPPlugin picks it under Lightning's FSDP strategy.
+    """

@@ -1,0 +1,183 @@
+"""MPPlugin under Lightning's FSDP strategy.
+
+Lightning refuses ``strategy="fsdp"`` on the CPU by a type check on the strategy object only; torch's FSDP itself
+runs on the CPU with gloo. ``CPUFSDPStrategy`` (a subclass, launched by fork like ``ddp_fork``) therefore runs the
+real FSDP wrapping, sharded gradients, ``ShardedGradScaler`` and FSDP's ``clip_grad_norm_`` in CI. The same
+behaviour on two GPUs is run by ``tests/gpu/test_distributed_gpu.py`` and ``benchmarks/bench_distributed.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import TinyRegressor
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.strategies import FSDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from lightning_mp import MPPlugin
+from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+
+class _ForkLauncher(_MultiProcessingLauncher):
+    def _recover_results_in_main_process(self, worker_output, trainer) -> None:
+        # rank 0's module state is its flat shard; the tests read what each rank dumped instead
+        if worker_output.weights_path is not None:
+            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy, launched by fork (a test harness: Lightning only lets FSDP run on CUDA)."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = _ForkLauncher(self, start_method="fork")
+
+    def _setup_model(self, model):
+        # as FSDPStrategy._setup_model, with the CPU named explicitly (torch's FSDP wants a device id for it)
+        return FullyShardedDataParallel(
+            module=model, mixed_precision=self.mixed_precision_config, device_id=torch.device("cpu"), **self.kwargs
+        )
+
+
+class FSDPRegressor(TinyRegressor):
+    """TinyRegressor whose optimizer takes the FSDP-wrapped parameters; poisons one rank's gradient shard."""
+
+    def __init__(self, poison_rank: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.poison_rank = poison_rank
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(self.trainer.model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def _poison_grads(self) -> None:
+        if self.global_rank != self.poison_rank or self.batch_index not in self.poison_grad:
+            return
+        for p in self.trainer.model.parameters():  # the rank's flat shard
+            if p.grad is not None and p.grad.numel():
+                p.grad.view(-1)[0] = self.poison_value
+                return
+
+
+class Dump(Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        plugin = trainer.precision_plugin
+        with FullyShardedDataParallel.summon_full_params(trainer.model):
+            params = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+        torch.save(
+            {
+                "params": params,
+                "stats": plugin.stats.as_dict(),
+                "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "adam_step": int(next(iter(trainer.optimizers[0].state.values()), {"step": -1})["step"]),
+                "scaler": type(plugin.scaler).__name__ if plugin.scaler is not None else None,
+                "wrapped": isinstance(trainer.model, FullyShardedDataParallel),
+                "losses": list(pl_module.losses),
+            },
+            f"{self.folder}/rank{trainer.global_rank}.pt",
+        )
+
+
+def fsdp_trainer(plugin, folder, max_steps=6, **kwargs):
+    return Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CPUFSDPStrategy(),
+        plugins=[plugin],
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Dump(folder)],
+        **kwargs,
+    )
+
+
+def load(folder):
+    return [torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in (0, 1)]
+
+
+@pytest.mark.parametrize(("mode", "value", "clip"), [("fp16", math.inf, None), ("bf16", math.nan, None), ("fp16", math.nan, 1.0)])
+def test_fsdp_inf_on_one_rank_is_skipped_by_every_rank(tmp_path, mode, value, clip):
+    model = FSDPRegressor(poison_grad=(2, 3), poison_value=value)
+    trainer = fsdp_trainer(MPPlugin(mode, init_scale=2.0**8), str(tmp_path), gradient_clip_val=clip)
+    trainer.fit(model)
+    r0, r1 = load(tmp_path)
+    assert r0["wrapped"]
+    for name in r0["params"]:
+        assert torch.equal(r0["params"][name], r1["params"][name]), f"{name} differs across ranks"
+        assert torch.isfinite(r0["params"][name]).all()
+    assert r0["stats"] == r1["stats"]
+    assert (r0["stats"]["steps"], r0["stats"]["skipped_steps"]) == (6, 2)
+    assert r0["adam_step"] == r1["adam_step"] == 4
+    assert r0["lr"] == pytest.approx(1e-2 * 0.9**4)  # the step scheduler was held on both skipped steps
+    if clip is not None:
+        # FSDP's clip_grad_norm_ over every shard: one norm, the same on both ranks (local shard norms differ)
+        assert r0["stats"]["grad_norm"] is not None and math.isfinite(r0["stats"]["grad_norm"])
+    if mode == "fp16":
+        assert r0["scaler"] == "ShardedDynamicLossScaler"
+        assert r0["stats"]["loss_scale"] == 2.0**6
+
+
+def test_fsdp_matches_single_process_training(tmp_path):
+    """Same data on both ranks: FSDP's sharded step equals the unsharded step on one process."""
+    model = FSDPRegressor(poison_rank=-1)
+    reference = copy.deepcopy(model)
+    fsdp_trainer(MPPlugin("bf16", fp32_modules=[]), str(tmp_path), use_distributed_sampler=False).fit(model)
+    r0, _ = load(tmp_path)
+
+    class Single(TinyRegressor):
+        def configure_optimizers(self):
+            return FSDPRegressor.configure_optimizers(self)
+
+    single = Single()
+    single.load_state_dict(reference.state_dict())
+    Trainer(
+        accelerator="cpu", plugins=[MPPlugin("bf16", fp32_modules=[])], max_steps=6, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    ).fit(single)
+    for name, value in single.named_parameters():
+        torch.testing.assert_close(r0["params"][name], value.detach(), rtol=1e-4, atol=1e-5)
+    assert r0["losses"] == pytest.approx(single.losses, rel=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["bf16-true", "fp16-true"])
+def test_fsdp_refuses_true_half_before_training(tmp_path, mode):
+    # raised in each worker during set-up (the fork launcher re-raises it here with the worker's traceback)
+    with pytest.raises(Exception, match=f"precision='{mode}'.*does not run under FSDP.*MPPlugin\\('bf16'\\)"):
+        fsdp_trainer(MPPlugin(mode), str(tmp_path)).fit(FSDPRegressor())
+    assert not (tmp_path / "rank0.pt").exists()
+
+
+def test_fsdp_strategy_accepts_the_plugin_and_its_policy():
+    strategy = FSDPStrategy()
+    strategy.precision_plugin = MPPlugin("bf16")  # Lightning's type check: only FSDPPrecision plugins pass
+    config = strategy.mixed_precision_config
+    assert config.param_dtype is None and config.buffer_dtype is None  # fp32 shards; autocast computes in bf16
+    assert config.reduce_dtype is None  # gradients reduced in fp32
+    assert MPPlugin("bf16", reduce_dtype="bf16").mixed_precision_config.reduce_dtype is torch.bfloat16
+    assert MPPlugin("fp16", reduce_dtype="fp32").mixed_precision_config.reduce_dtype is None
+
+
+def test_plugin_keeps_its_own_semantics_outside_fsdp():
+    from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
+
+    plugin = MPPlugin("bf16")
+    assert _plugin_to_compute_dtype(plugin) is torch.bfloat16
+    assert isinstance(plugin.scaler, DynamicLossScaler) and not isinstance(plugin.scaler, ShardedDynamicLossScaler)
+    with plugin.tensor_init_context(), plugin.module_init_context():
+        assert torch.get_default_dtype() is torch.float32  # not FSDPPrecision's dtype context
+    out = torch.ones(2, dtype=torch.bfloat16)
+    assert plugin.convert_output(out) is out
