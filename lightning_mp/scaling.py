@@ -354,3 +354,10 @@ class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
     inf/NaN verdict over the process group inside ``unscale_``; hysteresis, min/max scale, counters and the
     check-only mode are :class:`DynamicLossScaler`'s. MPPlugin picks it under Lightning's FSDP strategy.
     """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        super().unscale_(optimizer)
+        # ShardedGradScaler's verdicts have shape (1,); fused optimizers subtract found_inf from their 0-dim step
+        # counts in place, which needs a 0-dim tensor (as torch.amp.GradScaler gives)
+        state = self._per_optimizer_states[id(optimizer)]
+        state["found_inf_per_device"] = {dev: f.reshape(()) for dev, f in state["found_inf_per_device"].items()}

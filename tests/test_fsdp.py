@@ -54,7 +54,8 @@ class FSDPRegressor(TinyRegressor):
         self.poison_rank = poison_rank
 
     def configure_optimizers(self):
-        opt = torch.optim.Adam(self.trainer.model.parameters(), lr=1e-2)
+        # fused: the optimizer skips on the device from the scaler's found_inf (torch's fused Adam runs on the CPU)
+        opt = torch.optim.Adam(self.trainer.model.parameters(), lr=1e-2, fused=True)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 

@@ -1,0 +1,351 @@
+"""DDP and FSDP with MPPlugin on several GPUs: the same skip decision everywhere, the same loss as one GPU,
+and the throughput from 1 to N GPUs, against Lightning's own ``bf16-mixed`` under the same strategies.
+
+Each run is its own process (Lightning's DDP/FSDP launcher re-runs this script for the other ranks) on the core
+benchmark's GPT model, with the same initial weights and the same global batch every step: one GPU takes the whole
+batch, N GPUs take 1/N of it each, so every run sees the same data and the loss curves are comparable. The data
+is learnable (each sequence follows ``x[t+1] = (a * x[t] + b) mod vocab`` from a random start), so the loss falls.
+
+MPPlugin runs get an overflow injected (an inf written into one gradient) on the LAST rank only, at the
+``--poison-steps``; the one-GPU runs get it at the same steps. Checked per run: every rank skipped exactly those
+steps, every rank ends with the same weights (a float64 fingerprint of the full parameters), and the global loss
+curve stays within ``--loss-rtol`` of the one-GPU run of the same mode. Lightning's baselines are not poisoned
+(they have no step skipping: an inf gradient would destroy the weights).
+
+Run on a machine with 2 GPUs, from the repository root::
+
+    PYTHONPATH=. python benchmarks/bench_distributed.py --out benchmarks/results
+
+Step time: CUDA-synchronised wall time per optimizer step, median over the steps after ``--warmup``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_overhead import GPT, Block, quiet_lightning  # noqa: E402  the core benchmark's model
+
+RUNS = [
+    # name, strategy, devices, precision ("mp:<mode>" or "lightning:<precision>")
+    ("1gpu mp-bf16", "single", 1, "mp:bf16"),
+    ("1gpu mp-fp16", "single", 1, "mp:fp16"),
+    ("1gpu lightning bf16-mixed", "single", 1, "lightning:bf16-mixed"),
+    ("ddp mp-bf16", "ddp", 2, "mp:bf16"),
+    ("ddp mp-fp16", "ddp", 2, "mp:fp16"),
+    ("ddp lightning bf16-mixed", "ddp", 2, "lightning:bf16-mixed"),
+    # where MPPlugin's DDP time goes: without the inf/NaN check (not poisoned), and keeping gradients between steps
+    ("ddp mp-bf16 no-check", "ddp", 2, "mp:bf16", {"skip_nonfinite": False}),
+    ("ddp mp-bf16 keep-grads", "ddp", 2, "mp:bf16", {"release_grads_after_step": False}),
+    ("fsdp mp-bf16", "fsdp", 2, "mp:bf16"),
+    ("fsdp mp-fp16", "fsdp", 2, "mp:fp16"),
+    ("fsdp lightning bf16-mixed", "fsdp", 2, "lightning:bf16-mixed"),
+]
+
+
+# --------------------------------------------------------------------------------------------- the worker
+def learnable_tokens(step: int, batch: int, seq: int, vocab: int) -> torch.Tensor:
+    """The global batch of ``step``: affine-recurrence sequences from random starts (same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(vocab, (batch, 1), generator=g)
+    a = torch.randint(1, 8, (batch, 1), generator=g) * 2 + 1
+    b = torch.randint(vocab, (batch, 1), generator=g)
+    tokens = [start]
+    for _ in range(seq):
+        tokens.append((a * tokens[-1] + b) % vocab)
+    return torch.cat(tokens, dim=1)
+
+
+def worker(cfg: dict[str, Any]) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.utils.data import DataLoader
+
+    from lightning_mp import MPPlugin
+
+    quiet_lightning()
+    cuda = cfg["accelerator"] == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    precision = cfg["precision"]
+    checked = precision.startswith("mp:") and cfg["plugin_kwargs"].get("skip_nonfinite", True)
+    poison = set(cfg["poison_steps"]) if checked else set()
+
+    class LM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(cfg["seed"])
+            self.gpt = GPT(cfg["vocab"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["seq"])
+            for module in self.gpt.modules():
+                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                    torch.nn.init.normal_(module.weight, std=0.02)
+                    if getattr(module, "bias", None) is not None:
+                        torch.nn.init.zeros_(module.bias)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            step = int(batch[0])
+            tokens = learnable_tokens(step, cfg["global_batch"], cfg["seq"], cfg["vocab"])
+            share = cfg["global_batch"] // self.trainer.world_size
+            mine = tokens[self.global_rank * share : (self.global_rank + 1) * share].to(self.device, non_blocking=True)
+            return self.gpt(mine)
+
+        def on_after_backward(self) -> None:
+            step = self.trainer.fit_loop.epoch_loop.total_batch_idx
+            if step in poison and self.global_rank == self.trainer.world_size - 1:
+                for p in self.trainer.model.parameters():  # DDP: a parameter; FSDP: this rank's flat shard
+                    if p.grad is not None and p.grad.numel():
+                        p.grad.view(-1)[0] = math.inf
+                        break
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            # FSDP's flat parameters live on the wrapped model (Lightning's rule for FSDP optimizers)
+            return torch.optim.AdamW(self.trainer.model.parameters(), lr=cfg["lr"], fused=cuda)
+
+    class Probe(pl.Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.losses: list[float] = []
+            self.skipped: list[int] = []
+            self._t0 = 0.0
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            sync()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            sync()
+            self.times.append(time.perf_counter() - self._t0)
+            loss = trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean")
+            self.losses.append(float(loss))
+            plugin = trainer.precision_plugin
+            if isinstance(plugin, MPPlugin) and plugin.scaler is not None and plugin.scaler.last_skipped:
+                self.skipped.append(batch_idx)
+
+    def fingerprint(trainer: pl.Trainer, module: LM) -> list[float]:
+        model = trainer.model
+        ctx = FullyShardedDataParallel.summon_full_params(model) if isinstance(model, FullyShardedDataParallel) else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            values = [p.detach().double() for p in module.gpt.parameters()]
+            total = sum(v.sum() for v in values)
+            squares = sum(v.square().sum() for v in values)
+            return [float(total), float(squares)]
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+
+    plugins: list[Any] = []
+    trainer_precision: Optional[str] = None
+    if precision.startswith("mp:"):
+        plugins.append(MPPlugin(precision[3:], **cfg["plugin_kwargs"]))
+    else:
+        trainer_precision = precision.split(":", 1)[1]
+    if cfg["strategy"] == "fsdp":
+        strategy: Any = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
+    elif cfg["strategy"] == "ddp":
+        strategy = DDPStrategy(gradient_as_bucket_view=True)
+    else:
+        strategy = SingleDeviceStrategy(device=torch.device("cuda", 0) if cuda else torch.device("cpu"))
+    probe = Probe()
+    trainer = pl.Trainer(
+        accelerator=cfg["accelerator"],
+        devices=cfg["devices"],
+        strategy=strategy,
+        precision=trainer_precision,
+        plugins=plugins or None,
+        max_steps=cfg["steps"],
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[probe],
+    )
+    module = LM()
+    data = DataLoader(torch.arange(cfg["steps"]), batch_size=1)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.fit(module, train_dataloaders=data)
+    result = {
+        "rank": trainer.global_rank,
+        "times": probe.times,
+        "losses": probe.losses,
+        "skipped": probe.skipped,
+        "fingerprint": fingerprint(trainer, module),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "stats": trainer.precision_plugin.stats.as_dict() if isinstance(trainer.precision_plugin, MPPlugin) else None,
+        "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+    }
+    with open(f"{cfg['out']}.rank{trainer.global_rank}.json", "w") as fh:
+        json.dump(result, fh)
+
+
+# --------------------------------------------------------------------------------------------- the driver
+def run(
+    name: str, strategy: str, devices: int, precision: str, kwargs: dict[str, Any], args: argparse.Namespace, folder: str
+) -> dict[str, Any]:
+    cfg = {
+        key: getattr(args, key)
+        for key in ("vocab", "hidden", "layers", "heads", "seq", "global_batch", "steps", "lr", "seed", "poison_steps")
+    }
+    cfg.update(accelerator=args.accelerator, strategy=strategy, devices=devices, precision=precision, plugin_kwargs=kwargs, out=os.path.join(folder, name.replace(" ", "_")))
+    env = dict(os.environ)
+    env.pop("LOCAL_RANK", None)
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)], env=env, capture_output=True, text=True,
+        timeout=args.run_timeout,
+    )
+    row: dict[str, Any] = {"run": name, "strategy": strategy, "devices": devices, "precision": precision, "kwargs": kwargs,
+                           "wall_s": time.perf_counter() - start}
+    ranks = []
+    for rank in range(devices):
+        path = f"{cfg['out']}.rank{rank}.json"
+        if os.path.exists(path):
+            with open(path) as fh:
+                ranks.append(json.load(fh))
+    if proc.returncode != 0 or len(ranks) != devices:
+        row["error"] = (proc.stderr or proc.stdout)[-2000:]
+        return row
+    r0 = ranks[0]
+    timed = r0["times"][args.warmup:]
+    row.update(
+        step_ms=1000 * statistics.median(timed),
+        tokens_per_s=args.global_batch * args.seq / statistics.median(timed),
+        peak_gib=max(r["peak_gib"] for r in ranks),
+        losses=r0["losses"],
+        skipped_per_rank=[r["skipped"] for r in ranks],
+        same_weights_all_ranks=all(r["fingerprint"] == r0["fingerprint"] for r in ranks),
+        same_stats_all_ranks=all(r["stats"] == r0["stats"] for r in ranks),
+        stats=r0["stats"],
+        gpu=r0["gpu"],
+    )
+    return row
+
+
+def _poisoned(row: dict[str, Any]) -> bool:
+    return row["precision"].startswith("mp:") and row["kwargs"].get("skip_nonfinite", True)
+
+
+def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    """Fill each row's verdicts: skips as injected on every rank, weights equal across ranks, loss = one GPU."""
+    single = {r["precision"]: r for r in rows if r["strategy"] == "single" and "error" not in r and not r["kwargs"]}
+    for row in rows:
+        if "error" in row:
+            continue
+        base = single.get(row["precision"])
+        if row["strategy"] != "single" and base is not None and _poisoned(row) == _poisoned(base):
+            rel = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(row["losses"], base["losses"])]
+            row["loss_max_rel_diff"] = max(rel)
+            row["loss_equal"] = max(rel) <= args.loss_rtol
+            row["speedup_vs_1gpu"] = row["tokens_per_s"] / base["tokens_per_s"]
+        if _poisoned(row):
+            row["skips_as_injected"] = all(s == sorted(args.poison_steps) for s in row["skipped_per_rank"])
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def f(value: Any, spec: str) -> str:
+        return "—" if value is None else format(value, spec)
+
+    lines = [
+        "| run | step ms | tokens/s | vs 1 GPU | peak GiB/GPU | final loss | max loss diff vs 1 GPU | skipped steps (every rank) | same weights on all ranks |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['run']} | failed: {r['error'].strip().splitlines()[-1][:120]} | | | | | | | |")
+            continue
+        skipped = r["skipped_per_rank"]
+        skip_text = "—" if "skips_as_injected" not in r else (
+            f"{skipped[0]}" + (" ✓" if r.get("skips_as_injected") else " ✗ " + str(skipped))
+        )
+        lines.append(
+            f"| {r['run']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {f(r.get('speedup_vs_1gpu'), '.2f') + ('×' if r.get('speedup_vs_1gpu') else '')} "
+            f"| {r['peak_gib']:.1f} | {r['losses'][-1]:.4f} | {f(r.get('loss_max_rel_diff'), '.2%')} | {skip_text} "
+            f"| {'yes' if r['same_weights_all_ranks'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step, split over the GPUs")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--poison-steps", type=int, nargs="*", default=[12, 25])
+    p.add_argument("--loss-rtol", type=float, default=0.02, help="largest relative loss difference from one GPU")
+    p.add_argument("--runs", nargs="*", help="run names to keep (default: all)")
+    p.add_argument("--run-timeout", type=int, default=300)
+    p.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (gloo DDP rows)")
+    p.add_argument("--out", help="folder for the JSON and markdown results")
+    p.add_argument("--tag", default=None, help="file-name tag (default: GPU name and date)")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    if args.accelerator == "cuda" and not torch.cuda.is_available():
+        print("bench_distributed needs CUDA GPUs (or --accelerator cpu for a smoke run of the DDP rows).")
+        return 1
+    count = torch.cuda.device_count() if args.accelerator == "cuda" else 2
+    runs = [
+        r for r in RUNS
+        if r[2] <= count and (not args.runs or r[0] in args.runs)
+        and (args.accelerator == "cuda" or (r[1] != "fsdp" and r[3].startswith("mp:")))  # Lightning: FSDP needs CUDA
+    ]
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for name, strategy, devices, precision, *extra in runs:
+            row = run(name, strategy, devices, precision, extra[0] if extra else {}, args, folder)
+            print(f"{name}: " + (f"{row['step_ms']:.1f} ms/step" if "step_ms" in row else "failed"), flush=True)
+            rows.append(row)
+    check(rows, args)
+    gpu = next((r["gpu"] for r in rows if "gpu" in r), args.accelerator)
+    header = (
+        f"{count}× {gpu}, torch {torch.__version__}, GPT {args.hidden}×{args.layers} (vocab {args.vocab}, seq {args.seq}),"
+        f" global batch {args.global_batch} sequences, {args.steps} steps (median after {args.warmup}),"
+        f" overflow injected on the last rank at steps {args.poison_steps}"
+    )
+    text = header + "\n\n" + table(rows)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        tag = args.tag or f"{gpu.split()[-1].lower()}x{count}_{time.strftime('%Y-%m-%d')}"
+        with open(os.path.join(args.out, f"bench_distributed_{tag}.json"), "w") as fh:
+            json.dump({"header": header, "rows": rows}, fh, indent=1)
+        with open(os.path.join(args.out, f"bench_distributed_{tag}.md"), "w") as fh:
+            fh.write(text + "\n")
+    failures = [r["run"] for r in rows if "error" in r or r.get("loss_equal") is False or r.get("skips_as_injected") is False
+                or not r.get("same_weights_all_ranks", False)]
+    print(text)
+    if failures:
+        print("checks failed:", ", ".join(failures))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
