@@ -33,7 +33,6 @@ import time
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_overhead import GPT, Block, quiet_lightning  # noqa: E402  the core benchmark's model

@@ -10,6 +10,12 @@ Example::
     python -m lightning_mp compare                                  # the built-in byte-level GPT-mini
     python -m lightning_mp compare --model mypkg.models:MyModule --modes fp32 bf16 fp16 --steps 100
     python -m lightning_mp compare --json out.json --plot out.png
+    python -m lightning_mp compare --modes fp32 bf16-true bf16-true:kahan bf16-true:stochastic bf16-true:none
+
+A mode is a precision (``bf16``, ``fp16``, ``bf16-true``, ...; Lightning's strings are accepted as aliases),
+optionally followed by ``:<master weights>`` for the true-half modes (``bf16-true:kahan`` runs
+``MPPlugin("bf16-true", master_weights="kahan")``), or ``lightning:<precision>`` for Lightning's own plugin
+as a baseline.
 """
 
 from __future__ import annotations
@@ -112,15 +118,62 @@ def choose(
 def recommendation_text(best: Optional[ModeResult], reason: str) -> str:
     if best is None:
         return f"Recommendation: none — {reason}."
+    precision, master = split_mode(best.mode)
+    master_arg = "" if master is None else f', master_weights="{master}"'
     return (
         f"Recommendation: {best.mode} — {reason}.\n\n"
-        f'    Trainer(plugins=[MPPlugin("{best.mode}")])\n\n'
+        f'    Trainer(plugins=[MPPlugin("{precision}"{master_arg})])\n\n'
         "    trainer:\n"
         "      plugins:\n"
         "        - class_path: lightning_mp.MPPlugin\n"
         "          init_args:\n"
-        f"            precision: {best.mode}\n"
+        f"            precision: {precision}\n"
+        + ("" if master is None else f"            master_weights: {master}\n")
     )
+
+
+# --------------------------------------------------------------------------------------------- mode names
+def split_mode(mode: str) -> tuple[str, Optional[str]]:
+    """A canonical MPPlugin mode to ``(precision, master_weights)``: ``"bf16-true:kahan"`` to
+    ``("bf16-true", "kahan")``, ``"bf16"`` to ``("bf16", None)`` (see :func:`parse_mode`)."""
+    precision, sep, master = mode.partition(":")
+    return precision, (master if sep else None)
+
+
+def parse_mode(value: str) -> str:
+    """Check one mode of ``--modes`` and return its canonical spelling.
+
+    ``"<precision>"`` (any name or alias :func:`lightning_mp.modes.parse_precision` accepts),
+    ``"<true-half precision>:<master weights>"`` (``"bf16-true:kahan"``, ``"16-true:none"``; the options of
+    ``MPPlugin(master_weights=...)``) or ``"lightning:<precision>"`` (passed to Lightning unchecked).
+
+    Raises:
+        ValueError: naming the bad value, the accepted ones and the fix.
+    """
+    from lightning_mp.master import MASTER_WEIGHT_KINDS, parse_master_weights
+    from lightning_mp.modes import MODES, parse_precision
+
+    if value.startswith("lightning:"):
+        return value
+    base, sep, option = value.partition(":")
+    precision = parse_precision(base)
+    if not sep:
+        return precision
+    accepted = ", ".join(repr(k) for k in MASTER_WEIGHT_KINDS)
+    true_half = [name for name, mode in MODES.items() if mode.true_half]
+    if precision not in true_half:
+        raise ValueError(
+            f"mode {value!r}: a master-weight option (':{option}') applies to half-precision weights only."
+            f" Use {' or '.join(repr(n + ':' + option) for n in true_half)}, or {precision!r} without it."
+        )
+    try:
+        master = parse_master_weights(option)
+    except ValueError:
+        raise ValueError(
+            f"mode {value!r}: unknown master-weight option {option!r}. Accepted: {accepted}"
+            f" (e.g. '{precision}:kahan'; '{precision}' alone means '{precision}:fp32')."
+        ) from None
+    return f"{precision}:{master}"
 
 
 # --------------------------------------------------------------------------------------------- running
@@ -133,6 +186,7 @@ def default_modes(device_type: str) -> list[str]:
 def _unsupported_reason(mode: str, device_type: str) -> Optional[str]:
     from lightning_mp.modes import resolve_mode
 
+    mode = split_mode(mode)[0]  # a master-weight option changes nothing the hardware needs
     if mode == "tf32" and device_type != "cuda":
         return "TF32 needs an NVIDIA GPU (Ampere or newer); elsewhere it is fp32"
     if mode == "tf32" and torch.cuda.get_device_capability()[0] < 8:
@@ -236,11 +290,14 @@ def run_mode(
     seed: int = 0,
     make_datamodule: Optional[Callable[[], Any]] = None,
     progress: bool = True,
+    warmup: Optional[int] = None,
 ) -> ModeResult:
     """Train ``steps`` optimizer steps under ``MPPlugin(mode)``; any failure lands in the returned row.
 
-    ``mode`` may also be ``"lightning:<precision>"`` (e.g. ``"lightning:bf16-mixed"``) to run Lightning's own
-    precision plugin as a baseline.
+    ``mode`` is spelt as :func:`parse_mode` accepts: ``"bf16-true:kahan"`` runs
+    ``MPPlugin("bf16-true", master_weights="kahan")``, and ``"lightning:<precision>"`` (e.g.
+    ``"lightning:bf16-mixed"``) runs Lightning's own precision plugin as a baseline. The step time is the median
+    after ``warmup`` steps (default: ``min(3, steps // 4)``).
     """
     from lightning.pytorch import Trainer, seed_everything
 
@@ -248,6 +305,13 @@ def run_mode(
 
     result = ModeResult(mode=mode)
     native = mode.startswith("lightning:")
+    if not native:
+        try:
+            mode = parse_mode(mode)
+        except ValueError as err:
+            result.status, result.reason = "failed", str(err)
+            return result
+    precision, master_weights = (None, None) if native else split_mode(mode)
     why = None if native else _unsupported_reason(mode, device_type)
     if why is not None:
         result.status, result.reason = "unsupported", why
@@ -264,7 +328,7 @@ def run_mode(
         if native:
             precision_kwargs = {"precision": mode.split(":", 1)[1]}
         else:
-            plugin = MPPlugin(mode)
+            plugin = MPPlugin(precision, master_weights=master_weights)
             precision_kwargs = {"plugins": [plugin]}
         trainer = Trainer(
             accelerator="gpu" if device_type == "cuda" else "cpu",
@@ -307,7 +371,8 @@ def run_mode(
             torch.cuda.empty_cache()
     result.losses = recorder.losses
     times = recorder.times
-    timed = times[min(3, len(times) // 4):]  # warm-up excluded
+    skip = min(3, len(times) // 4) if warmup is None else min(warmup, max(0, len(times) - 1))
+    timed = times[skip:]  # warm-up excluded
     if timed:
         result.step_ms = 1000 * statistics.median(timed)
         result.items_per_s = recorder.items / (result.step_ms / 1000)
@@ -415,7 +480,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--datamodule-args", default="{}", help="JSON object of keyword arguments for the datamodule")
     parser.add_argument("--modes", nargs="+", default=None,
                         help="modes to run (default: every mode; ones this hardware cannot run are reported as such);"
-                             " 'lightning:bf16-mixed' etc. add Lightning's own plugins as baselines")
+                             " 'bf16-true:kahan' etc. pick the master weights of a true-half mode"
+                             " (fp32, kahan, stochastic, none); 'lightning:bf16-mixed' etc. add Lightning's own"
+                             " plugins as baselines")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per mode (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -438,11 +505,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     device_type = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device_type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
-    from lightning_mp.modes import parse_precision
-
     try:
-        modes = ([m if m.startswith("lightning:") else parse_precision(m) for m in args.modes] if args.modes
-                 else default_modes(device_type))
+        modes = [parse_mode(m) for m in args.modes] if args.modes else default_modes(device_type)
     except ValueError as err:
         parser.error(f"--modes: {err}")
 

@@ -98,3 +98,52 @@ def test_lightning_native_baseline_row(capsys):
     assert main(["--model-args", TINY_LM, "--modes", "fp32", "lightning:bf16-mixed", "--steps", "4", "--no-progress"]) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| lightning:bf16-mixed |"))
     assert "| ok |" in line
+
+
+def test_mode_spelling_with_master_weights():
+    from lightning_mp.compare import parse_mode, split_mode
+
+    assert parse_mode("bf16-true:kahan") == "bf16-true:kahan"
+    assert parse_mode("BF16-TRUE:Stochastic") == "bf16-true:stochastic"
+    assert parse_mode("16-true:none") == "fp16-true:none"  # Lightning's alias, canonical name back
+    assert parse_mode("bf16-true:true") == "bf16-true:fp32" and parse_mode("bf16-true:false") == "bf16-true:none"
+    assert parse_mode("bf16-mixed") == "bf16" and parse_mode("lightning:bf16-true") == "lightning:bf16-true"
+    assert split_mode("bf16-true:kahan") == ("bf16-true", "kahan") and split_mode("bf16") == ("bf16", None)
+    with pytest.raises(ValueError, match=r"unknown master-weight option 'kahn'.*'fp32', 'kahan', 'stochastic', 'none'"):
+        parse_mode("bf16-true:kahn")
+    with pytest.raises(ValueError, match=r"applies to half-precision weights only.*'bf16-true:kahan'"):
+        parse_mode("bf16:kahan")
+    with pytest.raises(ValueError, match="Unknown precision 'bf17-true'"):
+        parse_mode("bf17-true:kahan")
+
+
+def test_master_weight_modes_reach_the_plugin(monkeypatch, capsys):
+    import lightning_mp
+
+    seen = []
+
+    class Recording(lightning_mp.MPPlugin):
+        def __init__(self, precision="bf16", **kwargs):
+            seen.append((precision, kwargs.get("master_weights")))
+            super().__init__(precision, **kwargs)
+
+    monkeypatch.setattr(lightning_mp, "MPPlugin", Recording)
+    assert main(["--model-args", TINY_LM, "--modes", "bf16-true", "bf16-true:kahan", "bf16-true:stochastic",
+                 "bf16-true:none", "--steps", "3", "--no-progress"]) == 0
+    assert seen == [("bf16-true", None), ("bf16-true", "kahan"), ("bf16-true", "stochastic"), ("bf16-true", "none")]
+    printed = capsys.readouterr().out
+    for mode in ("bf16-true", "bf16-true:kahan", "bf16-true:stochastic", "bf16-true:none"):
+        line = next(x for x in printed.splitlines() if x.startswith(f"| {mode} |"))
+        assert "| ok |" in line or "| unstable |" in line
+
+
+def test_master_weight_mode_errors_and_recommendation(capsys):
+    with pytest.raises(SystemExit):
+        main(["--modes", "bf16-true:kahn"])
+    assert "--modes: mode 'bf16-true:kahn': unknown master-weight option 'kahn'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--modes", "fp16:none"])
+    assert "applies to half-precision weights only" in capsys.readouterr().err
+    text = recommendation_text(row("bf16-true:kahan", 10.0), "fastest")
+    assert 'Trainer(plugins=[MPPlugin("bf16-true", master_weights="kahan")])' in text
+    assert "            precision: bf16-true\n            master_weights: kahan\n" in text
