@@ -26,8 +26,8 @@ Selection (``fp32_modules``) is a list of
 
 Rule for outputs (modules and the ``fp32_*`` functions alike): under autocast they stay fp32, as autocast's own
 fp32 operations return; without autocast (true-half modes) they go back to the 16-bit dtype the inputs came in,
-so the next half-precision layer receives what it expects. Loss modules (a class name ending in ``Loss``) keep
-fp32 outputs always: a loss feeds backward and logging, not a half-precision layer.
+so the next half-precision layer receives what it expects. Guarded loss modules (a class name ending in ``Loss``;
+the defaults guard torch's own, subclasses of ``torch.nn.modules.loss._Loss``) keep fp32 outputs always: a loss feeds backward and logging, not a half-precision layer.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map_only
 
+_TORCH_LOSS = "torch.nn.modules.loss._Loss"
+
 #: modules kept in fp32 when ``fp32_modules`` is not given (class-name patterns; base classes count)
 DEFAULT_FP32_MODULES: tuple[str, ...] = (
     "*LayerNorm",
@@ -55,14 +57,16 @@ DEFAULT_FP32_MODULES: tuple[str, ...] = (
     "Softmin",
     "LogSoftmax",
     "Softmax2d",
-    "*Loss",
+    # torch's loss modules, by their base class: a name pattern like "*Loss" would also catch a user's whole
+    # model wrapped in a class called e.g. "CaptionLoss" and silently run all of it in fp32
+    _TORCH_LOSS,
 )
 
 DEFAULTS_TOKEN = "defaults"
 
 #: default entries whose work CUDA autocast already runs in fp32 (layer_norm, group_norm, softmax, log_softmax,
 #: the loss functions): under CUDA autocast a hook would only add host time (measured: ~5 ms a step on a small ViT)
-AUTOCAST_FP32_ON_CUDA: tuple[str, ...] = ("*LayerNorm", "GroupNorm", "Softmax", "Softmin", "LogSoftmax", "Softmax2d", "*Loss")
+AUTOCAST_FP32_ON_CUDA: tuple[str, ...] = ("*LayerNorm", "GroupNorm", "Softmax", "Softmin", "LogSoftmax", "Softmax2d", _TORCH_LOSS)
 
 _LOW = (torch.float16, torch.bfloat16)
 _AUTOCAST_DEVICES = ("cpu", "cuda")

@@ -291,7 +291,7 @@ def test_fp32_region_turns_autocast_off_and_restores_everything():
 
 
 def test_default_list_is_documented_and_guards_off_with_an_empty_list():
-    assert "*LayerNorm" in DEFAULT_FP32_MODULES and "*Loss" in DEFAULT_FP32_MODULES
+    assert "*LayerNorm" in DEFAULT_FP32_MODULES and "torch.nn.modules.loss._Loss" in DEFAULT_FP32_MODULES
     model = GuardedNet()
     make_trainer(MPPlugin("bf16-true", fp32_modules=[]), max_steps=1).fit(model)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
@@ -302,8 +302,24 @@ def test_cuda_autocast_modes_skip_guards_autocast_already_runs_in_fp32():
     from lightning_mp.guards import AUTOCAST_FP32_ON_CUDA, DEFAULT_FP32_MODULES, FP32GuardSpec
 
     reduced = FP32GuardSpec.from_arg(["defaults", "*.router"]).without_autocast_fp32()
-    assert "*LayerNorm" not in reduced.patterns and "*Loss" not in reduced.patterns
+    assert "*LayerNorm" not in reduced.patterns and "torch.nn.modules.loss._Loss" not in reduced.patterns
     assert {"*BatchNorm*", "*RMSNorm", "*InstanceNorm*", "*.router"} <= set(reduced.patterns)
     assert set(reduced.patterns) == (set(DEFAULT_FP32_MODULES) - set(AUTOCAST_FP32_ON_CUDA)) | {"*.router"}
     # a user's own entries stay
     assert FP32GuardSpec.from_arg(["LayerNorm"]).without_autocast_fp32().patterns == ("LayerNorm",)
+
+
+def test_default_loss_guard_takes_torch_losses_not_any_class_named_loss():
+    class CaptionLoss(nn.Module):  # a user's whole model, named after what it returns
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj(x).sum()
+
+    model = nn.Sequential(CaptionLoss(), nn.CrossEntropyLoss())
+    spec = FP32GuardSpec.from_arg(None)
+    assert not spec.matches("0", model[0])
+    assert spec.matches("1", model[1]) and spec.matches("x", nn.MSELoss())
+    assert FP32GuardSpec.from_arg(["CaptionLoss"]).matches("0", model[0])  # still guardable by name
