@@ -45,6 +45,8 @@ CONSTRUCTION = [
     ("master weights without half weights", {"precision": "bf16", "master_weights": "fp32"}, ValueError,
      r"master_weights='fp32' applies to half-precision weights.*Use precision='bf16-true'"),
     ("unknown master-weights option", {"precision": "bf16-true", "master_weights": "fp64"}, ValueError, r"fp64"),
+    ("unknown gradient-reduction dtype", {"reduce_dtype": "int8"}, ValueError,
+     r"reduce_dtype='int8' is invalid: use one of \['bf16', 'fp16', 'fp32'\], or null for fp32"),
 ]
 
 
