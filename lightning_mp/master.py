@@ -459,6 +459,9 @@ class StochasticRounding(MasterWeights):
         super().__init__()
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
+        # a step a fused optimizer may have skipped on the device: the generators' states before its noise was
+        # drawn, and its verdict on its way to the host; rewound once the verdict is read (next step, or a save)
+        self._pending: Optional[tuple[dict[str, Tensor], _HostVerdict]] = None
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The rounding noise's generator on ``device`` (seeded with ``seed``; saved in checkpoints)."""
@@ -474,20 +477,41 @@ class StochasticRounding(MasterWeights):
         self, optimizer: Optimizer, records: list[Any], skipped: Optional[bool], found_inf: Optional[Tensor]
     ) -> None:
         _swap_back(optimizer, records)
+        if skipped is None and found_inf is not None and found_inf.device.type == "cpu":
+            skipped = bool(found_inf.item())  # no device to wait for
         if skipped is True:
             return
-        # skipped on the device: the copy still holds the old weight exactly, which rounds to itself
+        self._settle()
+        if skipped is None and found_inf is not None:
+            # skipped on the device: the copy still holds the old weight exactly, which rounds to itself, but the
+            # noise drawn for it must not count: remember the generators' states (host values, no sync) and rewind
+            # them when the verdict, copied to the host without waiting, says the step was skipped
+            self._pending = ({k: g.get_state() for k, g in self._generators.items()}, _HostVerdict(found_inf))
         with torch.no_grad():
             for _, _, param, value in records:
                 param.copy_(stochastic_round(value, param.dtype, self.generator(param.device)))
 
+    def _settle(self) -> None:
+        """Rewind the generators past a step that turned out to be skipped on the device."""
+        pending, self._pending = self._pending, None
+        if pending is None or not pending[1].value():
+            return
+        states, _ = pending
+        for key in list(self._generators):
+            if key in states:
+                self._generators[key].set_state(states[key])
+            else:
+                del self._generators[key]  # created by the skipped step: starts afresh from the seed
+
     def state_dict(self) -> dict[str, Any]:
+        self._settle()
         state = super().state_dict()
         state["seed"] = self.seed
         state["generators"] = {key: g.get_state() for key, g in self._generators.items()}
         return state
 
     def _load_own(self, state: dict[str, Any]) -> None:
+        self._pending = None
         generators = state.get("generators", {})
         if not isinstance(generators, dict):
             raise ValueError("master-weights state: 'generators' is not a dict: it is corrupted.")
@@ -497,6 +521,26 @@ class StochasticRounding(MasterWeights):
             if device.type == "cuda" and not torch.cuda.is_available():
                 continue
             self.generator(device).set_state(gen_state)
+
+
+class _HostVerdict:
+    """A device flag copied to the host without waiting; ``value()`` waits for the copy only (long done when
+    read a step later)."""
+
+    def __init__(self, flag: Tensor) -> None:
+        self._event = None
+        if flag.device.type == "cuda":
+            self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self._host.copy_(flag.reshape(()), non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = flag.detach().reshape(()).clone()
+
+    def value(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._host.item())
 
 
 def _swap_in_fp32_copies(

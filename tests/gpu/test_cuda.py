@@ -385,3 +385,38 @@ def test_check_only_scaler_finds_every_nonfinite_value_on_cuda(dtype, bad):
         scaler.unscale_(opt)
         found = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
         assert found == (0.0 if target is None else 1.0), (target, index)
+
+
+def test_stochastic_rounding_generator_ignores_a_step_skipped_on_the_device():
+    """With fused AdamW the skip is decided on the device; the rounding noise drawn for that step is rewound.
+
+    The generator then ends where a run whose skip was known on the host (plain AdamW) ends, and the saved
+    master-weights state right after the skipped step equals the state right before it.
+    """
+
+    class States(Callback):
+        def __init__(self) -> None:
+            self.before: list[Any] = []
+            self.after: list[Any] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.before.append(trainer.precision_plugin.masters.state_dict()["generators"])
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            self.after.append(trainer.precision_plugin.masters.state_dict()["generators"])
+
+    class PlainAdamW(Net):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    finals = []
+    for cls in (Net, PlainAdamW):
+        seed_everything(0)
+        states = States()
+        plugin = MPPlugin("bf16-true", master_weights="stochastic")
+        make_trainer(plugin, max_steps=8, callbacks=[states]).fit(cls(nan_grad_steps=(4,), record=False))
+        assert plugin.stats.skipped_steps == 1
+        assert_nested_equal(states.before[4], states.after[4], "generators")  # the skipped step drew nothing
+        assert not torch.equal(states.before[5]["cuda:0"], states.after[5]["cuda:0"])  # a clean step does
+        finals.append(plugin.masters.state_dict()["generators"])
+    assert_nested_equal(finals[0], finals[1], "generators")

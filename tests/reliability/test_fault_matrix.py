@@ -228,15 +228,6 @@ def test_fault_matrix_fused(mode_id, capsys):
     _run_matrix(f"{mode_id}, fused", DIAGONAL, capsys, mode_id=mode_id, optimizer="adamw_fused", check_rng=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "bug: StochasticRounding._finish (lightning_mp/master.py) draws rounding noise on a step the fused"
-        " optimizer skipped on the device (skipped=None, found_inf set): the weights stay bit-identical but the"
-        " generator, part of the master-weights state, advances"
-    ),
-)
 @pytest.mark.parametrize("precision", ["bf16-true", "fp16-true"])
 def test_device_skip_keeps_stochastic_rounding_generator(precision):
     run_cell(f"{precision}/stochastic", "loss", "nan", "automatic", optimizer="adamw_fused", check_rng=True)
