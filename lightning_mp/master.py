@@ -477,8 +477,6 @@ class StochasticRounding(MasterWeights):
         self, optimizer: Optimizer, records: list[Any], skipped: Optional[bool], found_inf: Optional[Tensor]
     ) -> None:
         _swap_back(optimizer, records)
-        if skipped is None and found_inf is not None and found_inf.device.type == "cpu":
-            skipped = bool(found_inf.item())  # no device to wait for
         if skipped is True:
             return
         self._settle()
