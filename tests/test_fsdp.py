@@ -90,18 +90,18 @@ class Dump(Callback):
         )
 
 
-def fsdp_trainer(plugin, folder, max_steps=6, **kwargs):
+def fsdp_trainer(plugin, folder, max_steps=6, callbacks_extra=(), strategy_kwargs=None, **kwargs):
     return Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CPUFSDPStrategy(),
+        strategy=CPUFSDPStrategy(**(strategy_kwargs or {})),
         plugins=[plugin],
         max_steps=max_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[Dump(folder)],
+        callbacks=[Dump(folder), *callbacks_extra],
         **kwargs,
     )
 
@@ -182,3 +182,40 @@ def test_plugin_keeps_its_own_semantics_outside_fsdp():
         assert torch.get_default_dtype() is torch.float32  # not FSDPPrecision's dtype context
     out = torch.ones(2, dtype=torch.bfloat16)
     assert plugin.convert_output(out) is out
+
+
+class Saver(Callback):
+    """Saves a full checkpoint through the strategy at the end of step ``at`` (what ModelCheckpoint does)."""
+
+    def __init__(self, path: str, at: int) -> None:
+        self.path, self.at = path, at
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.at:
+            trainer.save_checkpoint(self.path)
+
+
+def test_fsdp_checkpoint_carries_scaler_state_and_resumes(tmp_path):
+    """fp16 under FSDP: the scale after a backoff and the counters are saved and restored on resume.
+
+    Sharded checkpoints (torch.distributed.checkpoint; the plugin's entry goes to ``meta.pt``): torch's full-state
+    gather with CPU offload crashes on CPU-only FSDP, so the CPU harness cannot write ``state_dict_type="full"``.
+    """
+    ckpt = str(tmp_path / "step4.ckpt")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    sharded = {"state_dict_type": "sharded"}
+    model = FSDPRegressor(poison_grad=(2,), poison_value=math.inf)
+    fsdp_trainer(
+        MPPlugin("fp16", init_scale=2.0**8), str(tmp_path / "a"), callbacks_extra=[Saver(ckpt, 4)], strategy_kwargs=sharded
+    ).fit(model)
+    saved = torch.load(f"{ckpt}/meta.pt", weights_only=True)
+    entry = saved["MPPlugin"]
+    assert entry["mode"] == "fp16"
+    assert float(entry["scaler"]["scale"]) == 2.0**7
+    resumed = FSDPRegressor(poison_rank=-1)
+    fsdp_trainer(MPPlugin("fp16", init_scale=2.0**8), str(tmp_path / "b"), strategy_kwargs=sharded).fit(resumed, ckpt_path=ckpt)
+    r0, r1 = load(tmp_path / "b")
+    assert r0["stats"] == r1["stats"]
+    assert r0["stats"]["loss_scale"] == 2.0**7  # not init_scale: the backoff survived the resume
+    assert (r0["stats"]["steps"], r0["stats"]["skipped_steps"]) == (6, 1)
