@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_overhead import GPT, Block, quiet_lightning  # noqa: E402  the core benchmark's model
+from bench_overhead import GPT, Block, fmt, quiet_lightning  # noqa: E402  the core benchmark's model
 
 RUNS = [
     # name, strategy, devices, precision ("mp:<mode>" or "lightning:<precision>")
@@ -257,9 +257,6 @@ def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    def f(value: Any, spec: str) -> str:
-        return "—" if value is None else format(value, spec)
-
     lines = [
         "| run | step ms | tokens/s | vs 1 GPU | peak GiB/GPU | final loss | max loss diff vs 1 GPU | skipped steps (every rank) | same weights on all ranks |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -273,8 +270,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{skipped[0]}" + (" ✓" if r.get("skips_as_injected") else " ✗ " + str(skipped))
         )
         lines.append(
-            f"| {r['run']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {f(r.get('speedup_vs_1gpu'), '.2f') + ('×' if r.get('speedup_vs_1gpu') else '')} "
-            f"| {r['peak_gib']:.1f} | {r['losses'][-1]:.4f} | {f(r.get('loss_max_rel_diff'), '.2%')} | {skip_text} "
+            f"| {r['run']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {fmt(r.get('speedup_vs_1gpu'), '.2f', '×')} "
+            f"| {r['peak_gib']:.1f} | {r['losses'][-1]:.4f} | {fmt(r.get('loss_max_rel_diff'), '.2%')} | {skip_text} "
             f"| {'yes' if r['same_weights_all_ranks'] else 'NO'} |"
         )
     return "\n".join(lines)

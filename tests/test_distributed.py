@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from conftest import TinyRegressor
+from conftest import TinyRegressor, make_trainer
 from lightning.pytorch import Callback, Trainer
 
 from lightning_mp import MPPlugin
@@ -71,18 +71,7 @@ def test_inf_on_one_rank_is_skipped_by_every_rank(tmp_path, mode, value):
 
 
 def _ddp_trainer(plugin, folder, max_steps=6):
-    return Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp_fork",
-        plugins=[plugin],
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Dump(folder)],
-    )
+    return make_trainer(plugin, max_steps, [Dump(folder)], devices=2, strategy="ddp_fork")
 
 
 def test_reduce_dtype_fp16_compresses_ddp_gradients(tmp_path):
@@ -113,7 +102,5 @@ def test_reduce_dtype_bf16_on_gloo_is_refused_before_training(tmp_path):
 
 
 def test_reduce_dtype_without_ddp_warns(tmp_path):
-    from conftest import make_trainer
-
     with pytest.warns(UserWarning, match="reduce_dtype='fp16' is set, but the model is not wrapped"):
         make_trainer(MPPlugin("bf16", reduce_dtype="fp16"), max_steps=1).fit(TinyRegressor())

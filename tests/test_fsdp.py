@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import TinyRegressor
+from conftest import TinyRegressor, make_trainer
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
@@ -91,19 +91,8 @@ class Dump(Callback):
 
 
 def fsdp_trainer(plugin, folder, max_steps=6, callbacks_extra=(), strategy_kwargs=None, **kwargs):
-    return Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=CPUFSDPStrategy(**(strategy_kwargs or {})),
-        plugins=[plugin],
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[Dump(folder), *callbacks_extra],
-        **kwargs,
-    )
+    strategy = CPUFSDPStrategy(**(strategy_kwargs or {}))
+    return make_trainer(plugin, max_steps, [Dump(folder), *callbacks_extra], devices=2, strategy=strategy, **kwargs)
 
 
 def load(folder):
