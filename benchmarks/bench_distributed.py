@@ -50,6 +50,7 @@ RUNS = [
     ("ddp mp-bf16 keep-grads", "ddp", 2, "mp:bf16", {"release_grads_after_step": False}),
     ("fsdp mp-bf16", "fsdp", 2, "mp:bf16"),
     ("fsdp mp-fp16", "fsdp", 2, "mp:fp16"),
+    ("fsdp mp-bf16 bf16-gather", "fsdp", 2, "mp:bf16", {"fsdp_param_dtype": "bf16"}),
     ("fsdp lightning bf16-mixed", "fsdp", 2, "lightning:bf16-mixed"),
 ]
 

@@ -141,6 +141,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         reduce_dtype: the dtype gradients are reduced in across ranks: ``"fp32"`` (``None``, the default: as
             they are, fp32) or ``"bf16"``/``"fp16"`` to halve the traffic (FSDP: its ``reduce_dtype``; DDP: torch's
             bf16/fp16 compression hook). Needs a DDP or FSDP strategy.
+        fsdp_param_dtype: under FSDP, the dtype parameters are gathered in for compute: ``"fp32"`` (``None``, the
+            default: autocast casts per op, numerics as on one GPU) or the mode's own ``"bf16"``/``"fp16"`` (half
+            the all-gather traffic, as Lightning's FSDP plugin; the shards, the optimizer and the gradient
+            reduction stay fp32). FP32-guarded modules keep fp32 parameters: FSDP wraps them separately, which
+            needs an ``auto_wrap_policy``. Needs the FSDP strategy.
 
     With ``strategy="fsdp"`` the same plugin works (it is also an ``FSDPPrecision``) in the fp32, tf32, bf16 and
     fp16 modes; ``bf16-true``/``fp16-true``/``fp8`` are refused there before training starts.
@@ -168,6 +173,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         master_weights: Optional[Union[str, bool]] = None,
         fp8: Optional[Union[FP8Config, dict]] = None,
         reduce_dtype: Optional[str] = None,
+        fsdp_param_dtype: Optional[str] = None,
     ) -> None:
         # deliberately not MixedPrecision.__init__: it needs the device up front and knows two modes only
         self._requested = parse_precision(precision)
@@ -211,6 +217,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                 f"reduce_dtype={reduce_dtype!r} is invalid: use one of {sorted(_REDUCE_DTYPES)}, or null for fp32."
             )
         self.reduce_dtype = reduce_dtype
+        if fsdp_param_dtype is not None and fsdp_param_dtype not in _REDUCE_DTYPES:
+            raise ValueError(
+                f"fsdp_param_dtype={fsdp_param_dtype!r} is invalid: use one of {sorted(_REDUCE_DTYPES)}, or null for fp32."
+            )
+        self.fsdp_param_dtype = fsdp_param_dtype
         self._master_weights_arg = None if master_weights is None else parse_master_weights(master_weights)
 
         self.skip_nonfinite = skip_nonfinite
@@ -246,6 +257,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._fsdp_root: Optional[torch.nn.Module] = None  # the root FSDP module, for clipping over all shards
         self._sharded = False  # set when a convert_module sees Lightning's FSDP strategy
         self._comm_hooked: list[torch.nn.Module] = []  # DDP models that got the reduce_dtype hook
+        self._guarded_classes: tuple[type, ...] = ()  # classes of the guarded modules (FSDP keeps them fp32)
         if self._requested in PLANNED:
             resolve_mode(self._requested, self.device)  # raises: known name, not runnable in this release
         if self._requested == AUTO:
@@ -286,8 +298,20 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                 " Use precision='bf16-true' or 'fp16-true', or leave master_weights unset."
             )
 
+    def _check_fsdp_param_dtype(self, mode: PrecisionMode) -> None:
+        wanted = getattr(self, "fsdp_param_dtype", None)
+        if wanted in (None, "fp32"):
+            return
+        if mode.autocast_dtype is not _REDUCE_DTYPES[wanted]:
+            raise ValueError(
+                f"fsdp_param_dtype={wanted!r} applies to precision={wanted!r} (FSDP gathers {wanted} weights for"
+                f" autocast to compute with), not to precision={mode.name!r}. Use fsdp_param_dtype='fp32' (or null)"
+                " with this mode."
+            )
+
     def _setup_mode(self, mode: PrecisionMode) -> None:
         self._check_master_weights_argument(mode)
+        self._check_fsdp_param_dtype(mode)
         if mode.name == "fp8" and self._fp8 is None:
             self._fp8 = FP8Training(self.fp8_config)
         previous = self.scaler
@@ -370,6 +394,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
         self._device_for_state = device
         self._fsdp_root = model if _is_fsdp(model) else None
+        if self._fsdp_root is None and self.fsdp_param_dtype not in (None, "fp32"):
+            rank_zero_warn(
+                f"MPPlugin: fsdp_param_dtype={self.fsdp_param_dtype!r} is set, but the model is not wrapped by FSDP:"
+                " it takes effect with strategy='fsdp' only."
+            )
         self._apply_reduce_dtype(model)
         if self.scaler is not None:
             self.scaler.ensure_initialized(device)
@@ -501,6 +530,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             if _root_device(lightning_module, module).type == "cuda":
                 spec = spec.without_autocast_fp32()  # CUDA autocast runs these in fp32 already
         guarded = apply_fp32_guards(module, spec)
+        self._guarded_classes = tuple({type(module.get_submodule(name)) for name in guarded})
+        if self._sharded and guarded and self.fsdp_param_dtype not in (None, "fp32"):
+            self._check_fsdp_wraps_guards(module, guarded)
         if self.mode is not None and self.mode.true_half:
             cast_module_(module, self.mode.param_dtype, keep_fp32=guarded)
         if self.mode is not None and self.mode.name == "fp8" and self._fp8 is not None and self._fp8.model is not module:
@@ -530,6 +562,17 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             if self.mode is not None:
                 self._setup_mode(self.mode)  # the scaler's class changes, its state carries over
 
+    def _check_fsdp_wraps_guards(self, module: torch.nn.Module, guarded: list[str]) -> None:
+        lightning_module = _unwrap_lightning_module(module)
+        strategy = lightning_module._trainer.strategy  # type: ignore[union-attr]
+        if strategy.kwargs.get("auto_wrap_policy") is None:
+            raise MisconfigurationException(
+                f"MPPlugin(fsdp_param_dtype={self.fsdp_param_dtype!r}) keeps the FP32-guarded modules ({len(guarded)},"
+                f" e.g. {guarded[0]!r}) in fp32 by having FSDP wrap them apart, which needs an auto_wrap_policy."
+                " Pass FSDPStrategy(auto_wrap_policy={YourBlock}), or fp32_modules=[] to gather every weight in"
+                f" {self.fsdp_param_dtype}, or leave fsdp_param_dtype unset (fp32 gathers)."
+            )
+
     @property
     def mixed_precision_config(self) -> Any:
         """The ``torch.distributed.fsdp.MixedPrecision`` that Lightning's FSDP strategy wraps the model with.
@@ -541,7 +584,16 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 
         reduce = None if self.reduce_dtype in (None, "fp32") else _REDUCE_DTYPES[self.reduce_dtype]
-        return FSDPMixedPrecision(param_dtype=None, reduce_dtype=reduce, buffer_dtype=None)
+        if self.fsdp_param_dtype in (None, "fp32"):
+            return FSDPMixedPrecision(param_dtype=None, reduce_dtype=reduce, buffer_dtype=None)
+        # gathered in half for compute; gradients still reduced in fp32 unless reduce_dtype says otherwise, and
+        # the guarded modules' classes are wrapped apart with full precision (FSDP's _module_classes_to_ignore)
+        return FSDPMixedPrecision(
+            param_dtype=_REDUCE_DTYPES[self.fsdp_param_dtype],
+            reduce_dtype=reduce if reduce is not None else torch.float32,
+            buffer_dtype=None,
+            _module_classes_to_ignore=tuple({*self._guarded_classes, torch.nn.modules.batchnorm._BatchNorm}),
+        )
 
     @override
     def tensor_init_context(self) -> Any:

@@ -75,7 +75,8 @@ class Dump(Callback):
     def on_train_end(self, trainer, pl_module):
         plugin = trainer.precision_plugin
         with FullyShardedDataParallel.summon_full_params(trainer.model):
-            params = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+            # names without the wrappers' prefix: a run may wrap more submodules than another
+            params = {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone() for k, v in pl_module.named_parameters()}
         torch.save(
             {
                 "params": params,
@@ -85,6 +86,7 @@ class Dump(Callback):
                 "scaler": type(plugin.scaler).__name__ if plugin.scaler is not None else None,
                 "wrapped": isinstance(trainer.model, FullyShardedDataParallel),
                 "losses": list(pl_module.losses),
+                "seen": dict(getattr(pl_module, "seen", {})),
             },
             f"{self.folder}/rank{trainer.global_rank}.pt",
         )
@@ -208,3 +210,51 @@ def test_fsdp_checkpoint_carries_scaler_state_and_resumes(tmp_path):
     assert r0["stats"] == r1["stats"]
     assert r0["stats"]["loss_scale"] == 2.0**7  # not init_scale: the backoff survived the resume
     assert (r0["stats"]["steps"], r0["stats"]["skipped_steps"]) == (6, 1)
+
+
+class NormRegressor(FSDPRegressor):
+    """net1 -> LayerNorm (an FP32-guarded class) -> net2; records the weight dtypes each layer computes with."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.norm = torch.nn.LayerNorm(32)
+        self.seen: dict[str, str] = {}
+        for name in ("net1", "norm", "net2"):
+            getattr(self, name).register_forward_pre_hook(self._record(name))
+
+    def _record(self, name):
+        def hook(module, args):
+            self.seen[name] = str(module.weight.dtype)
+
+        return hook
+
+    def forward(self, x):
+        return self.net2(self.norm(torch.relu(self.net1(x))))
+
+
+def test_fsdp_param_dtype_gathers_half_weights_and_keeps_guards_fp32(tmp_path):
+    (tmp_path / "half").mkdir()
+    (tmp_path / "full").mkdir()
+    wrap = {"auto_wrap_policy": {torch.nn.Linear}}
+    model = NormRegressor(poison_grad=(2,), poison_value=math.nan)
+    reference = NormRegressor(poison_grad=(2,), poison_value=math.nan)  # not a deepcopy: its hooks would record here
+    reference.load_state_dict(model.state_dict())
+    plugin = MPPlugin("bf16", fsdp_param_dtype="bf16")
+    fsdp_trainer(plugin, str(tmp_path / "half"), strategy_kwargs=wrap, use_distributed_sampler=False).fit(model)
+    fsdp_trainer(MPPlugin("bf16"), str(tmp_path / "full"), strategy_kwargs=wrap, use_distributed_sampler=False).fit(reference)
+    half, half1 = load(tmp_path / "half")
+    full, _ = load(tmp_path / "full")
+    assert half["seen"] == {"net1": "torch.bfloat16", "norm": "torch.float32", "net2": "torch.bfloat16"}
+    assert full["seen"] == {"net1": "torch.float32", "norm": "torch.float32", "net2": "torch.float32"}
+    assert (half["stats"]["steps"], half["stats"]["skipped_steps"]) == (6, 1) and half["stats"] == half1["stats"]
+    for name, value in full["params"].items():
+        assert half["params"][name].dtype is torch.float32  # the shards (and the optimizer) stay fp32
+        assert torch.equal(half["params"][name], half1["params"][name])
+        torch.testing.assert_close(half["params"][name], value, rtol=0, atol=2e-2)
+    assert half["losses"] == pytest.approx(full["losses"], rel=2e-2)
+
+
+def test_fsdp_param_dtype_with_guards_needs_a_wrap_policy(tmp_path):
+    with pytest.raises(Exception, match="fsdp_param_dtype='bf16'.*needs an auto_wrap_policy.*fp32_modules=\\[\\]"):
+        fsdp_trainer(MPPlugin("bf16", fsdp_param_dtype="bf16"), str(tmp_path)).fit(NormRegressor())
+    assert not (tmp_path / "rank0.pt").exists()

@@ -45,6 +45,9 @@ CONSTRUCTION = [
     ("master weights without half weights", {"precision": "bf16", "master_weights": "fp32"}, ValueError,
      r"master_weights='fp32' applies to half-precision weights.*Use precision='bf16-true'"),
     ("unknown master-weights option", {"precision": "bf16-true", "master_weights": "fp64"}, ValueError, r"fp64"),
+    ("FSDP gather dtype unlike the mode's", {"precision": "fp16", "fsdp_param_dtype": "bf16"}, ValueError,
+     r"fsdp_param_dtype='bf16' applies to precision='bf16'.*not to precision='fp16'"),
+    ("unknown FSDP gather dtype", {"fsdp_param_dtype": "fp8"}, ValueError, r"fsdp_param_dtype='fp8' is invalid"),
     ("unknown gradient-reduction dtype", {"reduce_dtype": "int8"}, ValueError,
      r"reduce_dtype='int8' is invalid: use one of \['bf16', 'fp16', 'fp32'\], or null for fp32"),
 ]
