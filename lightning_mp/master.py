@@ -317,14 +317,20 @@ class FP32MasterWeights(MasterWeights):
 
     kind = "fp32"
 
-    def __init__(self) -> None:
+    def __init__(self, initial: Optional[dict[int, Tensor]] = None) -> None:
+        """``initial``: fp32 values the half parameters had before they were cast (by ``id`` of the parameter),
+        so the masters start from the exact fp32 weights instead of their half-precision rounding."""
         super().__init__()
         self._masters: dict[int, nn.Parameter] = {}  # id(half param) -> fp32 master
+        self._initial: dict[int, Tensor] = dict(initial or {})
 
     def _adopt(self, param: nn.Parameter) -> Tensor:
         master = self._masters.get(id(param))
         if master is None:
-            master = nn.Parameter(param.detach().to(torch.float32, copy=True))
+            value = self._initial.pop(id(param), None)
+            if value is None or value.shape != param.shape or value.to(param.dtype).ne(param.detach().to(value.device)).any():
+                value = param.detach()  # no fp32 original, or the weight changed since it was cast
+            master = nn.Parameter(value.to(device=param.device, dtype=torch.float32, copy=True))
             self._masters[id(param)] = master
         return master
 
@@ -616,4 +622,6 @@ def attach_master_weights(
     masters = existing if existing is not None and existing.kind == kind else _KINDS[kind]()
     for optimizer in [optimizers] if isinstance(optimizers, Optimizer) else optimizers:
         masters.attach(optimizer, module)
+    if isinstance(masters, FP32MasterWeights):
+        masters._initial.clear()  # fp32 originals of parameters no optimizer holds are not kept alive
     return masters

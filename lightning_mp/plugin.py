@@ -30,7 +30,9 @@ Distributed: every rank takes the same skip decision (the inf/NaN verdict is all
 FSDP strategy the plugin is an ``FSDPPrecision`` (the strategy accepts no other): FSDP keeps the sharded fp32
 parameters, autocast casts per op exactly as on one device (so guards and numerics match), gradients are
 reduced in fp32 unless ``reduce_dtype`` says otherwise, fp16 uses torch's ``ShardedGradScaler`` machinery and
-clipping by norm goes through the root FSDP module's ``clip_grad_norm_`` (a norm over all shards).
+clipping by norm goes through the root FSDP module's ``clip_grad_norm_`` (a norm over all shards). In true-half
+modes FSDP's own mixed precision does the master-weights work: fp32 shards, half weights gathered for compute,
+gradients reduced into fp32; guarded modules are wrapped apart and stay fp32.
 
 With ``precision="fp8"``, each step context runs Transformer Engine's autocast inside bf16 autocast (evaluation
 without it unless ``fp8_in_eval``); after each optimizer step, FP8 weight casts cached across micro-batches expire.
@@ -59,7 +61,7 @@ from typing_extensions import override
 
 from lightning_mp.fp8 import FP8Config, FP8Training
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
-from lightning_mp.master import MasterWeights, attach_master_weights, cast_module_, fp32_values, parse_master_weights
+from lightning_mp.master import FP32MasterWeights, MasterWeights, attach_master_weights, cast_module_, fp32_values, parse_master_weights
 from lightning_mp.modes import AUTO, MODES, PLANNED, auto_choice, PrecisionMode, parse_precision, provisional_lightning_precision, resolve_mode
 from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, StepStats
@@ -147,8 +149,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             reduction stay fp32). FP32-guarded modules keep fp32 parameters: FSDP wraps them separately, which
             needs an ``auto_wrap_policy``. Needs the FSDP strategy.
 
-    With ``strategy="fsdp"`` the same plugin works (it is also an ``FSDPPrecision``) in the fp32, tf32, bf16 and
-    fp16 modes; ``bf16-true``/``fp16-true``/``fp8`` are refused there before training starts.
+    With ``strategy="fsdp"`` the same plugin works (it is also an ``FSDPPrecision``): in ``bf16-true``/``fp16-true``
+    the fp32 shards are the master weights and FSDP gathers half weights (``master_weights="fp32"`` only);
+    ``fp8`` is refused there before training starts.
     """
 
     def __init__(
@@ -257,6 +260,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._fsdp_root: Optional[torch.nn.Module] = None  # the root FSDP module, for clipping over all shards
         self._sharded = False  # set when a convert_module sees Lightning's FSDP strategy
         self._comm_hooked: list[torch.nn.Module] = []  # DDP models that got the reduce_dtype hook
+        self._fp32_init: dict[int, Tensor] = {}  # fp32 weights before the true-half cast: the masters' first values
         self._guarded_classes: tuple[type, ...] = ()  # classes of the guarded modules (FSDP keeps them fp32)
         if self._requested in PLANNED:
             resolve_mode(self._requested, self.device)  # raises: known name, not runnable in this release
@@ -302,7 +306,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         wanted = getattr(self, "fsdp_param_dtype", None)
         if wanted in (None, "fp32"):
             return
-        if mode.autocast_dtype is not _REDUCE_DTYPES[wanted]:
+        if (mode.autocast_dtype or mode.param_dtype) is not _REDUCE_DTYPES[wanted]:
             raise ValueError(
                 f"fsdp_param_dtype={wanted!r} applies to precision={wanted!r} (FSDP gathers {wanted} weights for"
                 f" autocast to compute with), not to precision={mode.name!r}. Use fsdp_param_dtype='fp32' (or null)"
@@ -447,8 +451,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
 
     def _attach_master_weights(self, module: Optional[LightningModule], model: Any, optimizers: list) -> None:
         assert self.mode is not None
-        if not self.mode.true_half or self.master_weights == "none" or not optimizers:
-            return
+        initial, self._fp32_init = self._fp32_init, {}  # never kept past set-up (e.g. validate without optimizers)
+        if not self.mode.true_half or self.master_weights == "none" or not optimizers or self._fsdp_root is not None:
+            return  # (under FSDP the fp32 shards are the master weights)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         for opt in raw:
             if isinstance(opt, LBFGS):
@@ -456,7 +461,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                     f"MPPlugin(precision={self.mode.name!r}, master_weights={self.master_weights!r}) cannot step"
                     " LBFGS (it re-evaluates its closure inside the step). Use master_weights='none' with LBFGS."
                 )
-        self._masters = attach_master_weights(raw, self.master_weights, module=module or model, existing=self._masters)
+        existing = self._masters
+        if existing is None and initial:
+            existing = FP32MasterWeights(initial=initial)
+        self._masters = attach_master_weights(raw, self.master_weights, module=module or model, existing=existing)
         trainer = getattr(module, "_trainer", None) if module is not None else None
         accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
         if (
@@ -531,10 +539,15 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                 spec = spec.without_autocast_fp32()  # CUDA autocast runs these in fp32 already
         guarded = apply_fp32_guards(module, spec)
         self._guarded_classes = tuple({type(module.get_submodule(name)) for name in guarded})
-        if self._sharded and guarded and self.fsdp_param_dtype not in (None, "fp32"):
+        if self._sharded and guarded and self._fsdp_gather_dtype() is not None:
             self._check_fsdp_wraps_guards(module, guarded)
-        if self.mode is not None and self.mode.true_half:
+        if self.mode is not None and self.mode.true_half and not self._sharded:
+            # (under FSDP the fp32 shards are the master weights and FSDP gathers half weights for compute)
+            before = {id(p): p.data for p in module.parameters() if p.dtype == torch.float32}
             cast_module_(module, self.mode.param_dtype, keep_fp32=guarded)
+            if self.master_weights == "fp32" and self._masters is None:
+                # the fp32 tensors the cast replaced (kept, not copied) seed the masters: exact fp32 weights
+                self._fp32_init = {i: t for i, t in before.items() if i in {id(p) for p in module.parameters() if p.dtype != torch.float32}}
         if self.mode is not None and self.mode.name == "fp8" and self._fp8 is not None and self._fp8.model is not module:
             # checks the GPU and Transformer Engine first; swaps in place (before the optimizers exist), casts
             # to bf16 when fp8.weights="bf16" (guarded modules stay fp32), logs one line of what it converted
@@ -548,14 +561,17 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         lightning_module = _unwrap_lightning_module(module)
         trainer = getattr(lightning_module, "_trainer", None) if lightning_module is not None else None
         sharded = _is_fsdp_strategy(getattr(trainer, "strategy", None))
-        if sharded and self.mode is not None and (self.mode.true_half or self.mode.name == "fp8"):
+        if sharded and self.mode is not None and self.mode.name == "fp8":
             raise MisconfigurationException(
-                f"MPPlugin(precision={self.mode.name!r}) does not run under FSDP: FSDP flattens the parameters of each"
-                " wrapped unit into one tensor of one dtype, so half-precision weights next to fp32-guarded modules"
-                " (and fp32 master copies kept beside them) cannot be sharded"
-                + (", and Transformer Engine modules need their own FSDP integration" if self.mode.name == "fp8" else "")
-                + ". Use MPPlugin('bf16') with FSDP (the shards stay fp32, as master weights would be, and autocast"
-                " computes in bf16), or this mode with strategy='ddp'."
+                "MPPlugin(precision='fp8') does not run under FSDP: Transformer Engine's modules need their own FSDP"
+                " integration. Use MPPlugin('bf16') (or 'bf16-true') with FSDP, or fp8 with strategy='ddp'."
+            )
+        if sharded and self.mode is not None and self.mode.true_half and self.master_weights != "fp32":
+            raise MisconfigurationException(
+                f"MPPlugin(precision={self.mode.name!r}, master_weights={self.master_weights!r}) does not run under FSDP:"
+                " there the fp32 shards are the master weights and FSDP gathers half-precision weights for compute,"
+                " which is master_weights='fp32'. Use master_weights='fp32' (the default) with FSDP, or this option"
+                " with strategy='ddp'."
             )
         if sharded != self._sharded:
             self._sharded = sharded
@@ -567,10 +583,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         strategy = lightning_module._trainer.strategy  # type: ignore[union-attr]
         if strategy.kwargs.get("auto_wrap_policy") is None:
             raise MisconfigurationException(
-                f"MPPlugin(fsdp_param_dtype={self.fsdp_param_dtype!r}) keeps the FP32-guarded modules ({len(guarded)},"
+                f"MPPlugin({self._gather_reason()}) keeps the FP32-guarded modules ({len(guarded)},"
                 f" e.g. {guarded[0]!r}) in fp32 by having FSDP wrap them apart, which needs an auto_wrap_policy."
                 " Pass FSDPStrategy(auto_wrap_policy={YourBlock}), or fp32_modules=[] to gather every weight in"
-                f" {self.fsdp_param_dtype}, or leave fsdp_param_dtype unset (fp32 gathers)."
+                f" {self._gather_reason(short=True)}"
+                + (", or leave fsdp_param_dtype unset (fp32 gathers)." if not self.mode.true_half else ".")
             )
 
     @property
@@ -584,16 +601,29 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         from torch.distributed.fsdp import MixedPrecision as FSDPMixedPrecision
 
         reduce = None if self.reduce_dtype in (None, "fp32") else _REDUCE_DTYPES[self.reduce_dtype]
-        if self.fsdp_param_dtype in (None, "fp32"):
+        gather = self._fsdp_gather_dtype()
+        if gather is None:
             return FSDPMixedPrecision(param_dtype=None, reduce_dtype=reduce, buffer_dtype=None)
         # gathered in half for compute; gradients still reduced in fp32 unless reduce_dtype says otherwise, and
         # the guarded modules' classes are wrapped apart with full precision (FSDP's _module_classes_to_ignore)
+        true_half = self.mode is not None and self.mode.true_half
         return FSDPMixedPrecision(
-            param_dtype=_REDUCE_DTYPES[self.fsdp_param_dtype],
+            param_dtype=gather,
             reduce_dtype=reduce if reduce is not None else torch.float32,
-            buffer_dtype=None,
+            buffer_dtype=gather if true_half else None,  # true-half: buffers in half, as on one device
             _module_classes_to_ignore=tuple({*self._guarded_classes, torch.nn.modules.batchnorm._BatchNorm}),
         )
+
+    def _fsdp_gather_dtype(self) -> Optional[torch.dtype]:
+        """The dtype FSDP gathers weights in (``None``: fp32): the true-half mode's, or ``fsdp_param_dtype``."""
+        if self.mode is not None and self.mode.true_half:
+            return self.mode.param_dtype
+        return None if self.fsdp_param_dtype in (None, "fp32") else _REDUCE_DTYPES[self.fsdp_param_dtype]
+
+    def _gather_reason(self, short: bool = False) -> str:
+        if self.mode is not None and self.mode.true_half:
+            return self.mode.name.split("-")[0] if short else f"precision={self.mode.name!r}"
+        return str(self.fsdp_param_dtype) if short else f"fsdp_param_dtype={self.fsdp_param_dtype!r}"
 
     @override
     def tensor_init_context(self) -> Any:

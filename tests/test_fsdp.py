@@ -20,6 +20,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_mp import MPPlugin
+from lightning_mp.master import fp32_values
 from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
@@ -145,11 +146,11 @@ def test_fsdp_matches_single_process_training(tmp_path):
     assert r0["losses"] == pytest.approx(single.losses, rel=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["bf16-true", "fp16-true"])
-def test_fsdp_refuses_true_half_before_training(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "kwargs"), [("fp8", {}), ("bf16-true", {"master_weights": "kahan"})])
+def test_fsdp_refuses_what_it_cannot_shard_before_training(tmp_path, mode, kwargs):
     # raised in each worker during set-up (the fork launcher re-raises it here with the worker's traceback)
-    with pytest.raises(Exception, match=f"precision='{mode}'.*does not run under FSDP.*MPPlugin\\('bf16'\\)"):
-        fsdp_trainer(MPPlugin(mode), str(tmp_path)).fit(FSDPRegressor())
+    with pytest.raises(Exception, match=f"precision='{mode}'.*does not run under FSDP"):
+        fsdp_trainer(MPPlugin(mode, **kwargs), str(tmp_path)).fit(FSDPRegressor())
     assert not (tmp_path / "rank0.pt").exists()
 
 
@@ -258,3 +259,38 @@ def test_fsdp_param_dtype_with_guards_needs_a_wrap_policy(tmp_path):
     with pytest.raises(Exception, match="fsdp_param_dtype='bf16'.*needs an auto_wrap_policy.*fp32_modules=\\[\\]"):
         fsdp_trainer(MPPlugin("bf16", fsdp_param_dtype="bf16"), str(tmp_path)).fit(NormRegressor())
     assert not (tmp_path / "rank0.pt").exists()
+
+
+@pytest.mark.parametrize(("mode", "value"), [("bf16-true", math.nan), ("fp16-true", math.inf)])
+def test_fsdp_true_half_uses_the_shards_as_master_weights(tmp_path, mode, value):
+    """bf16-true/fp16-true under FSDP: half weights computed with, fp32 shards stepped, guards in fp32, and the
+    same training as one process with fp32 master weights."""
+    wrap = {"auto_wrap_policy": {torch.nn.Linear}}
+    model = NormRegressor(poison_grad=(2,), poison_value=value)
+    single = NormRegressor(poison_grad=(2,), poison_value=value)
+    single.load_state_dict(model.state_dict())
+    plugin = MPPlugin(mode, init_scale=2.0**8) if mode == "fp16-true" else MPPlugin(mode)
+    fsdp_trainer(plugin, str(tmp_path), strategy_kwargs=wrap, use_distributed_sampler=False).fit(model)
+    r0, r1 = load(tmp_path)
+    half = "torch.bfloat16" if mode == "bf16-true" else "torch.float16"
+    assert r0["seen"] == {"net1": half, "norm": "torch.float32", "net2": half}
+    assert r0["stats"] == r1["stats"] and (r0["stats"]["steps"], r0["stats"]["skipped_steps"]) == (6, 1)
+    if mode == "fp16-true":
+        assert r0["scaler"] == "ShardedDynamicLossScaler" and r0["stats"]["loss_scale"] == 2.0**7
+
+    class Single(NormRegressor):
+        def configure_optimizers(self):
+            return FSDPRegressor.configure_optimizers(self)
+
+    one = Single(poison_grad=(2,), poison_value=value, poison_rank=0)  # the only rank of one process
+    one.load_state_dict(single.state_dict())
+    reference = MPPlugin(mode, init_scale=2.0**8) if mode == "fp16-true" else MPPlugin(mode)
+    make_trainer(reference, 6).fit(one)
+    assert reference.master_weights == "fp32" and reference.masters is not None
+    masters = fp32_values(reference.masters.state_dict(), dict(one.named_parameters()))
+    for name, shard in r0["params"].items():
+        assert shard.dtype is torch.float32  # the shards: fp32 master weights
+        assert torch.equal(shard, r1["params"][name])
+        expected = masters.get(name, dict(one.named_parameters())[name].detach())  # guarded: plain fp32 params
+        torch.testing.assert_close(shard, expected.float(), rtol=1e-6, atol=1e-6)
+    assert r0["losses"] == pytest.approx(one.losses, rel=1e-6)  # both start from the exact fp32 weights

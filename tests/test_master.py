@@ -20,6 +20,7 @@ from lightning_mp.master import (
     FP32MasterWeights,
     attach_master_weights,
     cast_module_,
+    fp32_values,
     parse_master_weights,
     stochastic_round,
 )
@@ -610,3 +611,24 @@ def test_ddp_replicas_stay_identical(tmp_path, kind, accumulate):
     assert r0["params"]["net1.weight"].dtype == torch.bfloat16 and torch.isfinite(r0["params"]["net1.weight"]).all()
     if kind == "fp32":
         assert torch.equal(r0["masters"]["masters"]["net1.weight"].to(torch.bfloat16), r0["params"]["net1.weight"])
+
+
+def test_fp32_masters_start_from_the_exact_fp32_weights():
+    """The true-half cast keeps the fp32 tensors it replaces; they become the masters (not the bf16 rounding)."""
+    model = TinyRegressor(optimizer="adam")
+    original = {k: v.detach().clone() for k, v in model.named_parameters()}
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in original.values())  # not bf16-representable
+
+    class AtStart(Callback):
+        def on_train_start(self, trainer, pl_module):
+            plugin = trainer.precision_plugin
+            self.half = {k: v.dtype for k, v in pl_module.named_parameters()}
+            self.masters = {k: v.clone() for k, v in fp32_values(plugin.masters.state_dict(), dict(pl_module.named_parameters())).items()}
+
+    probe = AtStart()
+    plugin = MPPlugin("bf16-true", fp32_modules=[])
+    make_trainer(plugin, max_steps=1, callbacks=[probe]).fit(model)
+    assert set(probe.half.values()) == {torch.bfloat16}
+    for name, value in original.items():
+        assert torch.equal(probe.masters[name], value), name
+    assert plugin._fp32_init == {} and plugin.masters._initial == {}  # nothing kept alive after set-up
