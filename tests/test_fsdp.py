@@ -294,3 +294,9 @@ def test_fsdp_true_half_uses_the_shards_as_master_weights(tmp_path, mode, value)
         expected = masters.get(name, dict(one.named_parameters())[name].detach())  # guarded: plain fp32 params
         torch.testing.assert_close(shard, expected.float(), rtol=1e-6, atol=1e-6)
     assert r0["losses"] == pytest.approx(one.losses, rel=1e-6)  # both start from the exact fp32 weights
+
+
+def test_fsdp_true_half_with_guards_needs_a_wrap_policy(tmp_path):
+    with pytest.raises(Exception, match="precision='bf16-true'.*keeps the FP32-guarded modules.*needs an auto_wrap_policy"):
+        fsdp_trainer(MPPlugin("bf16-true"), str(tmp_path)).fit(NormRegressor())
+    assert not (tmp_path / "rank0.pt").exists()
