@@ -329,8 +329,12 @@ class FP32MasterWeights(MasterWeights):
         if master is None:
             value = self._initial.pop(id(param), None)
             if value is None or value.shape != param.shape or value.to(param.dtype).ne(param.detach().to(value.device)).any():
-                value = param.detach()  # no fp32 original, or the weight changed since it was cast
-            master = nn.Parameter(value.to(device=param.device, dtype=torch.float32, copy=True))
+                # no fp32 original, or the weight changed since it was cast
+                master = nn.Parameter(param.detach().to(torch.float32, copy=True))
+            else:
+                # the original itself becomes the master (no copy where it already sits on the device): set-up needs
+                # no more memory than fp32 copies made from the half weights would
+                master = nn.Parameter(value.to(device=param.device, dtype=torch.float32))
             self._masters[id(param)] = master
         return master
 
