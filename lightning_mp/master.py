@@ -362,6 +362,29 @@ class FP32MasterWeights(MasterWeights):
         if acc_dst:
             torch._foreach_add_(acc_dst, acc_src)
 
+    def all_reduce_grads_async(self) -> tuple[list[Tensor], list[Any]]:
+        """Start summing the fp32 gradients over the ranks (async; :meth:`wait_all_reduce` averages them).
+
+        For gradient accumulation under DDP: micro-batches DDP does not reduce (``no_sync``) are accumulated here
+        in fp32 on each rank, then reduced in fp32 while the last micro-batch runs its backward. Every master takes
+        part (a zero gradient where a rank has none), in the same order on every rank.
+        """
+        grads = []
+        for master in self._masters.values():
+            if master.grad is None:
+                master.grad = torch.zeros_like(master)
+            grads.append(master.grad)
+        works = [torch.distributed.all_reduce(g, async_op=True) for g in grads]
+        return grads, works
+
+    @staticmethod
+    def wait_all_reduce(pending: tuple[list[Tensor], list[Any]], world_size: int) -> None:
+        grads, works = pending
+        for work in works:
+            work.wait()
+        if grads and world_size > 1:
+            torch._foreach_div_(grads, float(world_size))  # DDP averages: so do these
+
     def _prepare(self, optimizer: Optimizer, ids: list[int]) -> list[Any]:
         self.carry_grads_()  # gradients from a backward that bypassed the plugin
         return [(self._params[pid], self._masters[pid]) for pid in ids if self._masters[pid].grad is not None]

@@ -10,7 +10,9 @@ Order of one optimizer step (automatic optimization), written down because it ma
 1. ``closure()``: ``training_step`` under ``forward_context`` (autocast, or half default dtype in true-half
    modes), ``zero_grad``, ``pre_backward`` (the loss is scaled), ``backward``, ``post_backward``
    (``on_after_backward`` hooks, then with fp32 master weights the half gradients are added into the
-   masters' fp32 gradients; micro-batches of gradient accumulation pass here too, so they sum in fp32).
+   masters' fp32 gradients; micro-batches of gradient accumulation pass here too, so they sum in fp32. Under
+   DDP the micro-batches inside ``no_sync`` sum in fp32 on each rank and are all-reduced in fp32 while the last
+   micro-batch's backward runs, whose half gradients DDP reduces as usual).
 2. Master weights ``prepare``: with ``"kahan"``/``"stochastic"`` an fp32 copy of each half parameter (with an
    fp32 gradient and the parameter's optimizer state) takes its place in the param group until the step is
    done, so everything below works on fp32 (with ``"fp32"`` the optimizer already holds the fp32 masters).
@@ -247,7 +249,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._device_for_state: Optional[torch.device] = None
         self._converted: Optional[torch.nn.Module] = None  # the module convert_module guarded (and cast)
         self._masters: Optional[MasterWeights] = None
-        self._ddp_accumulation_warned = False
+        # gradient accumulation under DDP with fp32 masters: micro-batches DDP does not reduce are summed in fp32 on
+        # each rank, then reduced in fp32 during the last micro-batch's backward (the pending all-reduce)
+        self._local_grads = False
+        self._pending_reduce: Optional[tuple[list[Tensor], list[Any]]] = None
         # validated now, whatever the mode, so YAML typos fail before training; TE is imported at set-up only
         self.fp8_config = FP8Config.from_value(fp8)
         self._fp8: Optional[FP8Training] = None
@@ -465,19 +470,6 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if existing is None and initial:
             existing = FP32MasterWeights(initial=initial)
         self._masters = attach_master_weights(raw, self.master_weights, module=module or model, existing=existing)
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        accumulate = getattr(trainer, "accumulate_grad_batches", 1) if trainer is not None else 1
-        if (
-            self.master_weights == "fp32"
-            and accumulate > 1
-            and isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            and not self._ddp_accumulation_warned
-        ):
-            rank_zero_warn(
-                "MPPlugin: under DDP, the gradients of accumulated micro-batches add up in half precision until DDP's"
-                " all-reduce (it reduces the parameters' own .grad); they go to the fp32 masters on the last one."
-            )
-            self._ddp_accumulation_warned = True
 
     def _apply_tf32(self) -> None:
         assert self.mode is not None
@@ -699,13 +691,26 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
+        if self._local_grads and isinstance(self._masters, FP32MasterWeights) and _grads_synced(module):
+            # the last micro-batch: reduce the fp32 sums of the earlier ones while its backward runs
+            self._pending_reduce = self._masters.all_reduce_grads_async()
+            self._local_grads = False
         return Precision.pre_backward(self, tensor, module)
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         tensor = Precision.post_backward(self, tensor, module)  # on_after_backward hooks see the half gradients
-        if self._masters is not None and _grads_synced(module):
+        if self._masters is None:
+            return tensor
+        if _grads_synced(module):
+            if self._pending_reduce is not None:
+                FP32MasterWeights.wait_all_reduce(self._pending_reduce, _world_size())
+                self._pending_reduce = None
+            self._masters.carry_grads_()  # DDP reduced this micro-batch's half gradients
+        elif isinstance(self._masters, FP32MasterWeights):
+            # inside DDP's no_sync: sum in fp32 here, not in the half .grad; reduced before the last micro-batch's
             self._masters.carry_grads_()
+            self._local_grads = True
         return tensor
 
     @override

@@ -104,3 +104,53 @@ def test_reduce_dtype_bf16_on_gloo_is_refused_before_training(tmp_path):
 def test_reduce_dtype_without_ddp_warns(tmp_path):
     with pytest.warns(UserWarning, match="reduce_dtype='fp16' is set, but the model is not wrapped"):
         make_trainer(MPPlugin("bf16", reduce_dtype="fp16"), max_steps=1).fit(TinyRegressor())
+
+
+class AccumulationLog(Callback):
+    """Under DDP with fp32 masters and accumulation: what the masters hold at the step, against its definition."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.local: dict = {}
+        self.last: dict = {}
+        self.checks: list = []
+
+    def on_after_backward(self, trainer, pl_module):
+        synced = trainer.strategy.model.require_backward_grad_sync
+        half = {n: p.grad.detach().float().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
+        if synced:
+            self.last = half  # DDP averaged this micro-batch's half gradients
+        else:
+            for n, g in half.items():  # each no_sync micro-batch arrives alone: nothing summed in half before
+                self.local[n] = self.local[n] + g if n in self.local else g
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        masters = trainer.precision_plugin.masters
+        for n, p in pl_module.named_parameters():
+            local = self.local.get(n, torch.zeros_like(p, dtype=torch.float32))
+            torch.distributed.all_reduce(local)
+            expected = local / trainer.world_size + self.last[n]
+            got = masters.master_of(p).grad
+            self.checks.append(float((got - expected).abs().max() / expected.abs().max()))
+        self.local, self.last = {}, {}
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save({"checks": self.checks}, f"{self.folder}/acc{trainer.global_rank}.pt")
+
+
+def test_fp32_masters_accumulate_in_fp32_under_ddp(tmp_path):
+    """Micro-batches inside DDP's no_sync are summed in fp32 and reduced in fp32, not summed in half precision."""
+    model = TinyRegressor(optimizer="adam", n=2 * 4 * 8 * 3)
+    log = AccumulationLog(str(tmp_path))
+    trainer = make_trainer(
+        MPPlugin("bf16-true"), 3, [Dump(str(tmp_path)), log], devices=2, strategy="ddp_fork", accumulate_grad_batches=4
+    )
+    trainer.fit(model)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    for name in r0["params"]:
+        assert torch.equal(r0["params"][name], r1["params"][name])
+    for rank in (0, 1):
+        checks = torch.load(tmp_path / f"acc{rank}.pt", weights_only=True)["checks"]
+        assert len(checks) == 3 * 4  # 3 steps x 4 parameters
+        assert max(checks) < 1e-6, checks  # fp32 arithmetic; sums in bf16 would be off by ~1e-3
