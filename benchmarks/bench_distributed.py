@@ -38,20 +38,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_overhead import GPT, Block, fmt, quiet_lightning  # noqa: E402  the core benchmark's model
 
 RUNS = [
-    # name, strategy, devices, precision ("mp:<mode>" or "lightning:<precision>")
+    # name, strategy, devices, precision ("mp:<mode>" or "lightning:<precision>"), MPPlugin arguments
     ("1gpu mp-bf16", "single", 1, "mp:bf16"),
     ("1gpu mp-fp16", "single", 1, "mp:fp16"),
     ("1gpu lightning bf16-mixed", "single", 1, "lightning:bf16-mixed"),
     ("ddp mp-bf16", "ddp", 2, "mp:bf16"),
     ("ddp mp-fp16", "ddp", 2, "mp:fp16"),
     ("ddp lightning bf16-mixed", "ddp", 2, "lightning:bf16-mixed"),
-    # where MPPlugin's DDP time goes: without the inf/NaN check (not poisoned), and keeping gradients between steps
-    ("ddp mp-bf16 no-check", "ddp", 2, "mp:bf16", {"skip_nonfinite": False}),
-    ("ddp mp-bf16 keep-grads", "ddp", 2, "mp:bf16", {"release_grads_after_step": False}),
     ("fsdp mp-bf16", "fsdp", 2, "mp:bf16"),
     ("fsdp mp-fp16", "fsdp", 2, "mp:fp16"),
     ("fsdp mp-bf16 bf16-gather", "fsdp", 2, "mp:bf16", {"fsdp_param_dtype": "bf16"}),
     ("fsdp lightning bf16-mixed", "fsdp", 2, "lightning:bf16-mixed"),
+]
+#: with --more: true-half (fp32 masters; under FSDP the shards are the masters) and where MPPlugin's DDP time goes
+MORE_RUNS = [
+    ("1gpu mp-bf16-true", "single", 1, "mp:bf16-true"),
+    ("ddp mp-bf16-true", "ddp", 2, "mp:bf16-true"),
+    ("fsdp mp-bf16-true", "fsdp", 2, "mp:bf16-true"),
+    ("ddp mp-bf16 no-check", "ddp", 2, "mp:bf16", {"skip_nonfinite": False}),  # not poisoned
+    ("ddp mp-bf16 keep-grads", "ddp", 2, "mp:bf16", {"release_grads_after_step": False}),
 ]
 
 
@@ -293,7 +298,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poison-steps", type=int, nargs="*", default=[12, 25])
     p.add_argument("--loss-rtol", type=float, default=0.02, help="largest relative loss difference from one GPU")
-    p.add_argument("--runs", nargs="*", help="run names to keep (default: all)")
+    p.add_argument("--runs", nargs="*", help="run names to keep (default: the main set)")
+    p.add_argument("--more", action="store_true", help="add the true-half and diagnostic runs (about 3 more minutes)")
     p.add_argument("--run-timeout", type=int, default=300)
     p.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (gloo DDP rows)")
     p.add_argument("--out", help="folder for the JSON and markdown results")
@@ -311,7 +317,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 1
     count = torch.cuda.device_count() if args.accelerator == "cuda" else 2
     runs = [
-        r for r in RUNS
+        r for r in RUNS + (MORE_RUNS if args.more or args.runs else [])
         if r[2] <= count and (not args.runs or r[0] in args.runs)
         and (args.accelerator == "cuda" or (r[1] != "fsdp" and r[3].startswith("mp:")))  # Lightning: FSDP needs CUDA
     ]
