@@ -347,3 +347,21 @@ def test_fsdp_gradient_accumulation_matches_one_process(tmp_path, mode):
     for name, shard in r0["params"].items():
         torch.testing.assert_close(shard, values[name].detach().float(), rtol=1e-4, atol=atol)
 
+
+
+def test_fsdp_reduce_dtype_fp16_reduces_in_half(tmp_path):
+    """reduce_dtype='fp16' under FSDP: gradients are reduce-scattered in fp16; training still matches fp32 closely."""
+    (tmp_path / "half").mkdir()
+    (tmp_path / "full").mkdir()
+    model = FSDPRegressor(poison_rank=-1)
+    initial = copy.deepcopy(model.state_dict())
+    # fp32 compute: under bf16 autocast the gradients are bf16 values, which fp16 holds exactly
+    fsdp_trainer(MPPlugin("fp32", reduce_dtype="fp16"), str(tmp_path / "half"), use_distributed_sampler=False).fit(model)
+    reference = FSDPRegressor(poison_rank=-1)
+    reference.load_state_dict(initial)
+    fsdp_trainer(MPPlugin("fp32"), str(tmp_path / "full"), use_distributed_sampler=False).fit(reference)
+    half, _ = load(tmp_path / "half")
+    full, _ = load(tmp_path / "full")
+    for name, value in full["params"].items():
+        torch.testing.assert_close(half["params"][name], value, rtol=0, atol=2e-3)
+    assert any(not torch.equal(half["params"][n], full["params"][n]) for n in full["params"])  # it did reduce in fp16
