@@ -571,6 +571,18 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                 self._setup_mode(self.mode)  # the scaler's class changes, its state carries over
 
     def _check_fsdp_wraps_guards(self, module: torch.nn.Module, guarded: list[str]) -> None:
+        # FSDP keeps modules in full precision by class (isinstance): every module of a guarded class must be guarded
+        classes = self._guarded_classes
+        for name, sub in module.named_modules():
+            if name and isinstance(sub, classes) and not any(name == g or name.startswith(g + ".") for g in guarded):
+                twin = next((g for g in guarded if isinstance(sub, type(module.get_submodule(g)))), guarded[0])
+                raise MisconfigurationException(
+                    f"MPPlugin({self._gather_reason()}) under FSDP keeps guarded modules in fp32 by their class, but the"
+                    f" guarded {twin!r} shares its class with the unguarded {name!r} ({type(sub).__name__}), which would"
+                    " then lose its half-precision compute. Guard by class (e.g. fp32_modules=['defaults',"
+                    f" '{type(sub).__name__}']), give the guarded modules a class of their own, or"
+                    + (" use strategy='ddp'." if self.mode is not None and self.mode.true_half else " leave fsdp_param_dtype unset.")
+                )
         lightning_module = _unwrap_lightning_module(module)
         strategy = lightning_module._trainer.strategy  # type: ignore[union-attr]
         if strategy.kwargs.get("auto_wrap_policy") is None:

@@ -365,3 +365,13 @@ def test_fsdp_reduce_dtype_fp16_reduces_in_half(tmp_path):
     for name, value in full["params"].items():
         torch.testing.assert_close(half["params"][name], value, rtol=0, atol=2e-3)
     assert any(not torch.equal(half["params"][n], full["params"][n]) for n in full["params"])  # it did reduce in fp16
+
+
+def test_fsdp_half_gathers_refuse_a_guard_by_name_on_a_shared_class(tmp_path):
+    """FSDP can keep modules in fp32 only by class: guarding one Linear by name would take every Linear's half
+    compute away, so it is refused before training with the ways out."""
+    wrap = {"auto_wrap_policy": {torch.nn.Linear}}
+    plugin = MPPlugin("bf16", fsdp_param_dtype="bf16", fp32_modules=["defaults", "net2"])
+    with pytest.raises(Exception, match="guarded 'net2' shares its class with the unguarded 'net1' \\(Linear\\)"):
+        fsdp_trainer(plugin, str(tmp_path), strategy_kwargs=wrap).fit(NormRegressor())
+    assert not (tmp_path / "rank0.pt").exists()
