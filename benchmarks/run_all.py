@@ -1,5 +1,5 @@
 """The GPU benchmark suite: every precision mode on GPT-350M, GPT-1.3B, ViT-B/16 and the VLM example scaled up,
-against Lightning's own plugins and a plain ``torch.autocast`` loop, in one process per model.
+against Lightning's own plugins and a plain ``torch.autocast`` loop, in one process (every listed model, one after the other).
 
 Per model and mode: tokens (or images) per second, MFU against the measured bf16 ceiling, peak memory
 (``torch.cuda.max_memory_allocated``) and the loss after N steps, all from the same initial weights and batches
