@@ -454,9 +454,25 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             ) from err
         self._comm_hooked.append(model)
 
+    def _warn_eps_underflow(self, optimizers: list) -> None:
+        """fp16 weights without masters: an optimizer ``eps`` below fp16's smallest value is 0 in its fp16 state."""
+        tiny = torch.finfo(torch.float16).smallest_normal * 2.0**-10  # the smallest fp16 subnormal, ~6e-8
+        for opt in optimizers:
+            for group in getattr(getattr(opt, "_optimizer", opt), "param_groups", []):
+                eps = group.get("eps")
+                if isinstance(eps, float) and 0 < eps < tiny:
+                    rank_zero_warn(
+                        f"MPPlugin(precision='fp16-true', master_weights='none'): the optimizer's eps={eps:g} is 0 in the"
+                        " fp16 optimizer state, so a parameter whose gradient is 0 gets 0/0 = NaN on the first step."
+                        " Use master_weights='fp32' (the default), or eps >= 1e-7 (e.g. 1e-4)."
+                    )
+                    return
+
     def _attach_master_weights(self, module: Optional[LightningModule], model: Any, optimizers: list) -> None:
         assert self.mode is not None
         initial, self._fp32_init = self._fp32_init, {}  # never kept past set-up (e.g. validate without optimizers)
+        if self.mode.name == "fp16-true" and self.master_weights == "none" and self._fsdp_root is None:
+            self._warn_eps_underflow(optimizers)
         if not self.mode.true_half or self.master_weights == "none" or not optimizers or self._fsdp_root is not None:
             return  # (under FSDP the fp32 shards are the master weights)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]

@@ -632,3 +632,19 @@ def test_fp32_masters_start_from_the_exact_fp32_weights():
     for name, value in original.items():
         assert torch.equal(probe.masters[name], value), name
     assert plugin._fp32_init == {} and plugin.masters._initial == {}  # nothing kept alive after set-up
+
+
+def test_fp16_weights_without_masters_warn_about_adam_eps(recwarn):
+    """Adam's default eps=1e-8 is 0 in fp16: fp16-true with master_weights='none' says so before training."""
+    with pytest.warns(UserWarning, match="eps=1e-08 is 0 in the fp16 optimizer state.*master_weights='fp32'"):
+        make_trainer(MPPlugin("fp16-true", master_weights="none"), max_steps=1).fit(TinyRegressor(optimizer="adam"))
+
+    class LargeEps(TinyRegressor):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3, eps=1e-4)
+
+    recwarn.clear()
+    make_trainer(MPPlugin("fp16-true", master_weights="none"), max_steps=1).fit(LargeEps())
+    assert not [w for w in recwarn if "eps=" in str(w.message)]
+    make_trainer(MPPlugin("fp16-true"), max_steps=1).fit(TinyRegressor(optimizer="adam"))  # fp32 masters: fine
+    assert not [w for w in recwarn if "eps=" in str(w.message)]
