@@ -555,7 +555,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             cast_module_(module, self.mode.param_dtype, keep_fp32=guarded)
             if self.master_weights == "fp32" and self._masters is None:
                 # the fp32 tensors the cast replaced (kept, not copied) seed the masters: exact fp32 weights
-                self._fp32_init = {i: t for i, t in before.items() if i in {id(p) for p in module.parameters() if p.dtype != torch.float32}}
+                cast = {id(p) for p in module.parameters() if p.dtype != torch.float32}
+                self._fp32_init = {i: t for i, t in before.items() if i in cast}
         if self.mode is not None and self.mode.name == "fp8" and self._fp8 is not None and self._fp8.model is not module:
             # checks the GPU and Transformer Engine first; swaps in place (before the optimizers exist), casts
             # to bf16 when fp8.weights="bf16" (guarded modules stay fp32), logs one line of what it converted
