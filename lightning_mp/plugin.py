@@ -403,6 +403,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
         self._device_for_state = device
         self._fsdp_root = model if _is_fsdp(model) else None
+        self._local_grads, self._pending_reduce = False, None  # nothing carried over from an interrupted run
         if self._fsdp_root is None and self.fsdp_param_dtype not in (None, "fp32"):
             rank_zero_warn(
                 f"MPPlugin: fsdp_param_dtype={self.fsdp_param_dtype!r} is set, but the model is not wrapped by FSDP:"
