@@ -225,8 +225,10 @@ def test_bad_value_in_yaml_fails_before_training(tmp_path):
         ({"max_consecutive_skips": "many"}, ["max_consecutive_skips='many'", "an integer or null"]),
         ({"hysterisis": 2}, ["no argument 'hysterisis'", "Did you mean 'hysteresis'?", "init_scale"]),
         ({"precision": "fp16", "loss_scale": -1.0}, ["loss_scale=-1.0", "finite number > 0"]),
+        ({"reduce_dtype": "int8"}, ["reduce_dtype='int8'", "'bf16', 'fp16', 'fp32'"]),
+        ({"precision": "fp16", "fsdp_param_dtype": "bf16"}, ["fsdp_param_dtype='bf16'", "not to precision='fp16'"]),
     ],
-    ids=["type", "optional-type", "unknown-argument", "init-check"],
+    ids=["type", "optional-type", "unknown-argument", "init-check", "reduce-dtype", "fsdp-param-dtype"],
 )
 def test_short_error_names_argument_value_and_accepted(tmp_path, init_args, fragments):
     with pytest.raises(CLIConfigError) as info:
