@@ -356,8 +356,20 @@ class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
     """
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        super().unscale_(optimizer)
+        super().unscale_(optimizer)  # sums the verdict over the process group (CPU-offloaded flags via the device)
         # ShardedGradScaler's verdicts have shape (1,); fused optimizers subtract found_inf from their 0-dim step
-        # counts in place, which needs a 0-dim tensor (as torch.amp.GradScaler gives)
+        # counts in place and skip only on exactly 1: a 0-dim 0/1 tensor, as torch.amp.GradScaler gives
         state = self._per_optimizer_states[id(optimizer)]
-        state["found_inf_per_device"] = {dev: f.reshape(()) for dev, f in state["found_inf_per_device"].items()}
+        state["found_inf_per_device"] = {
+            dev: f.reshape(()).clamp_(max=1.0) for dev, f in state["found_inf_per_device"].items()
+        }
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        # the verdict is already the same on every rank: unscale_ summed it, and one taken from FSDP's
+        # clip_grad_norm_ comes from the norm of all shards; a second all-reduce would also fail on CPU-offloaded
+        # flags under NCCL
+        sync, self.sync_across_ranks = self.sync_across_ranks, False
+        try:
+            return super().step(optimizer, *args, **kwargs)
+        finally:
+            self.sync_across_ranks = sync

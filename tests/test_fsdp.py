@@ -102,7 +102,7 @@ def load(folder):
     return [torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
-@pytest.mark.parametrize(("mode", "value", "clip"), [("fp16", math.inf, None), ("bf16", math.nan, None), ("fp16", math.nan, 1.0)])
+@pytest.mark.parametrize(("mode", "value", "clip"), [("fp16", math.inf, None), ("bf16", math.nan, None), ("fp16", math.nan, 1.0), ("bf16", math.inf, 1.0)])
 def test_fsdp_inf_on_one_rank_is_skipped_by_every_rank(tmp_path, mode, value, clip):
     model = FSDPRegressor(poison_grad=(2, 3), poison_value=value)
     trainer = fsdp_trainer(MPPlugin(mode, init_scale=2.0**8), str(tmp_path), gradient_clip_val=clip)
