@@ -362,6 +362,12 @@ class FP32MasterWeights(MasterWeights):
         if acc_dst:
             torch._foreach_add_(acc_dst, acc_src)
 
+    def broadcast_(self, src: int = 0) -> None:
+        """Give every rank ``src``'s masters (DDP broadcasts the weights of rank 0 when it wraps the model: masters
+        started from each rank's own fp32 weights must follow, or the ranks would drift apart)."""
+        for master in self._masters.values():
+            torch.distributed.broadcast(master.data, src=src)
+
     def all_reduce_grads_async(self) -> tuple[list[Tensor], list[Any]]:
         """Start summing the fp32 gradients over the ranks (async; :meth:`wait_all_reduce` averages them).
 

@@ -487,6 +487,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if existing is None and initial:
             existing = FP32MasterWeights(initial=initial)
         self._masters = attach_master_weights(raw, self.master_weights, module=module or model, existing=existing)
+        if initial and isinstance(self._masters, FP32MasterWeights) and _world_size() > 1:
+            self._masters.broadcast_(src=0)  # ranks initialised differently: rank 0's weights, as DDP's, in fp32
 
     def _apply_tf32(self) -> None:
         assert self.mode is not None

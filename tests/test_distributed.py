@@ -154,3 +154,39 @@ def test_fp32_masters_accumulate_in_fp32_under_ddp(tmp_path):
         checks = torch.load(tmp_path / f"acc{rank}.pt", weights_only=True)["checks"]
         assert len(checks) == 3 * 4  # 3 steps x 4 parameters
         assert max(checks) < 1e-6, checks  # fp32 arithmetic; sums in bf16 would be off by ~1e-3
+
+
+class RankInit(TinyRegressor):
+    """Weights initialised differently on each rank (as without a common seed): DDP broadcasts rank 0's."""
+
+    def configure_model(self):
+        torch.manual_seed(1000 + self.global_rank)
+        with torch.no_grad():
+            self.net1.weight.normal_()
+
+
+class MasterDump(Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        from lightning_mp.master import fp32_values
+
+        masters = fp32_values(trainer.precision_plugin.masters.state_dict(), dict(pl_module.named_parameters()))
+        torch.save({k: v.clone() for k, v in masters.items()}, f"{self.folder}/masters{trainer.global_rank}.pt")
+
+
+def test_fp32_masters_agree_across_ranks_when_ranks_initialised_differently(tmp_path):
+    """The masters start from each rank's fp32 weights only where they match what DDP broadcast; rank 0's win."""
+    trainer = make_trainer(
+        MPPlugin("bf16-true"), 4, [Dump(str(tmp_path)), MasterDump(str(tmp_path))], devices=2, strategy="ddp_fork"
+    )
+    trainer.fit(RankInit(optimizer="adam"))
+    m0 = torch.load(tmp_path / "masters0.pt", weights_only=True)
+    m1 = torch.load(tmp_path / "masters1.pt", weights_only=True)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    for name in m0:
+        assert torch.equal(m0[name], m1[name]), name
+    for name in r0["params"]:
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
