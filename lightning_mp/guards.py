@@ -237,19 +237,65 @@ def fp32_layer_norm(
     """
     out = _result_dtype(x, dtype)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    with fp32_region():
+    up = _up(x)
+    with fp32_region(), contextlib.ExitStack() as stack:
+        if up is not x and torch.is_grad_enabled() and not _saved_tensor_hooks_active():
+            # backward keeps the 16-bit input, not its fp32 copy (the same values): see FP32Guard
+            upcasts = {id(up): (up, up._version, x, x._version)}
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*_save_originals(upcasts)))
+            stack.callback(upcasts.clear)
         return F.layer_norm(
-            _up(x), shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps
+            up, shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps
         ).to(out)
 
 
 # --------------------------------------------------------------------------------------------- module guards
+class _Original:
+    """A saved fp32 tensor stood in for by the 16-bit tensor it was upcast from (see :class:`FP32Guard`)."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor = tensor
+
+
+def _save_originals(upcasts: dict[int, tuple[Tensor, int, Tensor, int]]) -> tuple[Any, Any]:
+    def pack(t: Tensor) -> Any:
+        entry = upcasts.get(id(t))
+        # the very copy, unchanged since it was made from an unchanged original: the original holds its values
+        if entry is not None and entry[0] is t and t._version == entry[1] and entry[2]._version == entry[3]:
+            return _Original(entry[2])
+        return t
+
+    def unpack(packed: Any) -> Tensor:
+        return packed.tensor.float() if isinstance(packed, _Original) else packed
+
+    return pack, unpack
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks (activation checkpointing, CPU offloading) are already in force here."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True  # cannot tell: leave what the module saves alone
+    try:
+        return top(False) is not None
+    except (RuntimeError, TypeError):
+        return True
+
+
 class FP32Guard:
     """The forward hooks that run one module in fp32 (installed by :func:`apply_fp32_guards`).
 
     The pre-hook opens an :func:`fp32_region` and upcasts fp16/bf16 tensors among the arguments; the forward
     hook (``always_call``: it runs even when forward raises) closes the region and, without autocast, casts
     fp32 outputs back to the 16-bit dtype of the inputs.
+
+    Memory: what the module saves for backward of an upcast input (a norm saves its input) is kept as the
+    16-bit original, not as the fp32 copy, and upcast again in backward. The values are the same bit for bit
+    (the copy was made from them), so gradients do not change; the saved activation takes half the memory.
+    (Not done where other saved-tensor hooks are active, e.g. activation checkpointing or CPU offloading: they
+    take precedence.)
     """
 
     def __init__(self, keep_fp32_output: bool) -> None:
@@ -259,17 +305,23 @@ class FP32Guard:
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         low: list[torch.dtype] = []
+        upcasts: dict[int, tuple[Tensor, int, Tensor, int]] = {}  # id(fp32 copy) -> (copy, version, original, version)
 
         def up(t: Tensor) -> Tensor:
             if t.dtype in _LOW:
                 low.append(t.dtype)
-                return t.float()
+                copy = t.float()
+                upcasts[id(copy)] = (copy, copy._version, t, t._version)
+                return copy
             return t
 
         args, kwargs = tree_map_only(Tensor, up, (args, kwargs))
         back = None if (self.keep_fp32_output or not low or _autocast_enabled()) else low[0]
         stack = contextlib.ExitStack()
         stack.enter_context(fp32_region())
+        if upcasts and torch.is_grad_enabled() and not _saved_tensor_hooks_active():
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*_save_originals(upcasts)))
+            stack.callback(upcasts.clear)  # the hooks outlive forward (in backward): they must not keep the copies
         self._open.append((stack, back))
         return args, kwargs
 

@@ -1,6 +1,9 @@
 """FP32 guards (lightning_mp/guards.py): selection, dtypes inside guarded modules, the numbers they save."""
 
+import contextlib
 import copy
+import gc
+import os
 import pickle
 
 import pytest
@@ -323,3 +326,99 @@ def test_default_loss_guard_takes_torch_losses_not_any_class_named_loss():
     assert not spec.matches("0", model[0])
     assert spec.matches("1", model[1]) and spec.matches("x", nn.MSELoss())
     assert FP32GuardSpec.from_arg(["CaptionLoss"]).matches("0", model[0])  # still guardable by name
+
+
+# --------------------------------------------------------------------------------------------- saved activations
+def _guarded_ln(width: int) -> nn.Module:
+    model = nn.Sequential(nn.LayerNorm(width))
+    apply_fp32_guards(model, None)
+    return model
+
+
+def _grads(model: nn.Module, x: torch.Tensor, outer_hooks: bool = False, checkpoint: bool = False):
+    x = x.detach().clone().requires_grad_(True)
+    for p in model.parameters():
+        p.grad = None
+    with contextlib.ExitStack() as stack:
+        if outer_hooks:  # any saved-tensor hooks in force: the guard leaves what is saved alone
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        if checkpoint:
+            out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        else:
+            out = model(x)
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return [x.grad.clone(), *(p.grad.clone() for p in model.parameters())]
+
+
+def test_guard_saves_the_16bit_original_and_gradients_do_not_change():
+    model = _guarded_ln(64)
+    x = torch.randn(8, 64).bfloat16() * 3
+    packed = _grads(model, x)
+    plain = _grads(model, x, outer_hooks=True)
+    checkpointed = _grads(model, x, checkpoint=True)
+    for a, b, c in zip(packed, plain, checkpointed):
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_guard_does_not_stand_in_for_an_input_changed_in_place():
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln = nn.LayerNorm(16)
+
+        def forward(self, x):
+            x.mul_(2.0).add_(0.1)  # the upcast copy changes: its bf16 original no longer holds its values
+            return self.ln(x)
+
+    class GuardedInPlace(InPlace):
+        pass
+
+    model = nn.Sequential(GuardedInPlace())
+    apply_fp32_guards(model, ["GuardedInPlace"])
+    x = torch.randn(4, 16).bfloat16()
+    packed = _grads(model, x)
+    plain = _grads(model, x, outer_hooks=True)
+    for a, b in zip(packed, plain):
+        assert torch.equal(a, b)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set size from /proc")
+def test_guarded_norm_keeps_half_the_activation_memory_for_backward():
+    """What a guarded LayerNorm keeps for backward: the bf16 input (already alive), not a 2x larger fp32 copy."""
+    n = 32 * 2**20  # 32 M elements: 64 MB in bf16, 128 MB in fp32
+    model = _guarded_ln(1024)
+    x = torch.randn(n // 1024, 1024).bfloat16().requires_grad_(True)
+    kept = {}
+    for name, outer in (("packed", False), ("plain", True)):
+        gc.collect()
+        before = _rss_bytes()
+        with contextlib.ExitStack() as stack:
+            if outer:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+            out = model(x)
+        kept[name] = _rss_bytes() - before  # the output (bf16) plus what backward needs
+        del out
+    assert kept["plain"] - kept["packed"] > 0.75 * 4 * n  # about the fp32 copy (128 MB) kept only without it
+
+
+def test_fp32_layer_norm_helper_saves_the_original_too():
+    from lightning_mp.guards import fp32_layer_norm
+
+    w, b = torch.randn(32), torch.randn(32)
+
+    def grads(outer: bool):
+        x = (torch.randn(6, 32, generator=torch.Generator().manual_seed(0)) * 4).bfloat16().requires_grad_(True)
+        with contextlib.ExitStack() as stack:
+            if outer:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+            y = fp32_layer_norm(x, 32, w, b)
+        assert y.dtype is torch.bfloat16
+        (y.float() * torch.arange(32.0)).sum().backward()
+        return x.grad
+
+    assert torch.equal(grads(False), grads(True))
