@@ -65,7 +65,7 @@ from lightning_mp.fp8 import FP8Config, FP8Training
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
 from lightning_mp.master import FP32MasterWeights, MasterWeights, attach_master_weights, cast_module_, fp32_values, parse_master_weights
 from lightning_mp.modes import AUTO, MODES, PLANNED, auto_choice, PrecisionMode, parse_precision, provisional_lightning_precision, resolve_mode
-from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
+from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler, _is_dtensor
 from lightning_mp.stats import NonFiniteTrainingError, StepStats
 
 log = logging.getLogger(__name__)
@@ -573,6 +573,18 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         lightning_module = _unwrap_lightning_module(module)
         trainer = getattr(lightning_module, "_trainer", None) if lightning_module is not None else None
         sharded = _is_fsdp_strategy(getattr(trainer, "strategy", None))
+        if (
+            self.mode is not None
+            and (self.mode.true_half or self.mode.name == "fp8")
+            and _is_model_parallel_strategy(getattr(trainer, "strategy", None))
+        ):
+            raise MisconfigurationException(
+                f"MPPlugin(precision={self.mode.name!r}) does not run under ModelParallelStrategy: its FSDP2 shards"
+                " are set up in configure_model, before this plugin could cast weights or swap layers. There, set"
+                " FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) in"
+                " configure_model (the fp32 shards are then the master weights) and use MPPlugin('bf16') for step"
+                " skipping and guards."
+            )
         if sharded and self.mode is not None and self.mode.name == "fp8":
             raise MisconfigurationException(
                 "MPPlugin(precision='fp8') does not run under FSDP: Transformer Engine's modules need their own FSDP"
@@ -865,6 +877,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             norm = self._fsdp_root.clip_grad_norm_(clip_val)  # the norm over every rank's shards
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
+            if _is_dtensor(norm):  # sharded parameters (FSDP2 / ModelParallelStrategy): the norm of all shards
+                norm = norm.full_tensor()
         self.stats.record_grad_norm(norm)
         if self.scaler is not None:
             self.scaler.record_check_from_(optimizer, norm)  # the norm read every gradient: no second pass
@@ -984,6 +998,14 @@ def _is_fsdp(model: Any) -> bool:
     except ImportError:  # a torch built without distributed
         return False
     return isinstance(model, FullyShardedDataParallel)
+
+
+def _is_model_parallel_strategy(strategy: Any) -> bool:
+    try:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+    except ImportError:
+        return False
+    return isinstance(strategy, ModelParallelStrategy)
 
 
 def _is_fsdp_strategy(strategy: Any) -> bool:

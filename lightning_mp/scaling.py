@@ -17,6 +17,14 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without DTensor
+        return False
+    return isinstance(tensor, DTensor)
+
+
 def _check_positive_finite(name: str, value: float) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r} is invalid: it must be a finite number > 0.")
@@ -177,6 +185,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 if grad is None:
                     continue
                 grad = grad._values() if grad.is_sparse else grad
+                if _is_dtensor(grad):
+                    grad = grad.to_local()  # a rank checks its own shard; the verdict is then all-reduced
+                if grad.numel() == 0:
+                    continue  # an empty shard holds nothing to check (and the inf-norm of nothing is undefined)
                 grouped[grad.device][grad.dtype].append(grad)
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():

@@ -9,6 +9,7 @@ from typing import Optional
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -216,3 +217,13 @@ def check_passes(monkeypatch) -> list:
 def _seed():
     seed_everything(0, workers=True)
     yield
+
+
+class ForkLauncher(_MultiProcessingLauncher):
+    """Lightning's fork launcher for sharded strategies (FSDP, ModelParallel) in tests: rank 0's module state is
+    its shard, so nothing is loaded back into the parent; the tests read what each rank saved instead."""
+
+    def _recover_results_in_main_process(self, worker_output, trainer) -> None:
+        if worker_output.weights_path is not None:
+            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)

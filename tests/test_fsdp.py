@@ -13,10 +13,9 @@ import math
 
 import pytest
 import torch
-from conftest import TinyRegressor, make_trainer
+from conftest import ForkLauncher, TinyRegressor, make_trainer
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import FSDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_mp import MPPlugin
@@ -26,19 +25,11 @@ from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
 
-class _ForkLauncher(_MultiProcessingLauncher):
-    def _recover_results_in_main_process(self, worker_output, trainer) -> None:
-        # rank 0's module state is its flat shard; the tests read what each rank dumped instead
-        if worker_output.weights_path is not None:
-            self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
-        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
-
-
 class CPUFSDPStrategy(FSDPStrategy):
     """Lightning's FSDPStrategy, launched by fork (a test harness: Lightning only lets FSDP run on CUDA)."""
 
     def _configure_launcher(self) -> None:
-        self._launcher = _ForkLauncher(self, start_method="fork")
+        self._launcher = ForkLauncher(self, start_method="fork")
 
     def _setup_model(self, model):
         # as FSDPStrategy._setup_model, with the CPU named explicitly (torch's FSDP wants a device id for it)
