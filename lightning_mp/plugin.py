@@ -573,6 +573,12 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         lightning_module = _unwrap_lightning_module(module)
         trainer = getattr(lightning_module, "_trainer", None) if lightning_module is not None else None
         sharded = _is_fsdp_strategy(getattr(trainer, "strategy", None))
+        if _is_deepspeed_strategy(getattr(trainer, "strategy", None)):
+            raise MisconfigurationException(
+                "MPPlugin does not drive DeepSpeed: DeepSpeed runs its own loss scaling and precision from its config"
+                " (Lightning hands them to it through its DeepSpeedPrecision plugin). Use Trainer(precision='bf16-mixed'"
+                " or '16-mixed') with DeepSpeedStrategy, or MPPlugin with strategy='ddp', 'fsdp' or ModelParallelStrategy."
+            )
         if (
             self.mode is not None
             and (self.mode.true_half or self.mode.name == "fp8")
@@ -998,6 +1004,14 @@ def _is_fsdp(model: Any) -> bool:
     except ImportError:  # a torch built without distributed
         return False
     return isinstance(model, FullyShardedDataParallel)
+
+
+def _is_deepspeed_strategy(strategy: Any) -> bool:
+    try:
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+    except ImportError:
+        return False
+    return isinstance(strategy, DeepSpeedStrategy)
 
 
 def _is_model_parallel_strategy(strategy: Any) -> bool:

@@ -190,3 +190,16 @@ def test_fp32_masters_agree_across_ranks_when_ranks_initialised_differently(tmp_
         assert torch.equal(m0[name], m1[name]), name
     for name in r0["params"]:
         assert torch.equal(r0["params"][name], r1["params"][name]), name
+
+
+def test_deepspeed_is_refused_with_the_way_out():
+    """DeepSpeed scales the loss itself: MPPlugin says so at set-up instead of failing somewhere inside it."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    model = TinyRegressor()
+    strategy = object.__new__(DeepSpeedStrategy)  # the class itself needs deepspeed installed to be built
+    model._trainer = SimpleNamespace(strategy=strategy)
+    with pytest.raises(Exception, match="MPPlugin does not drive DeepSpeed.*precision='bf16-mixed'"):
+        MPPlugin("bf16").convert_module(model)
