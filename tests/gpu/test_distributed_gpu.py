@@ -42,3 +42,26 @@ def test_ddp_and_fsdp_skip_together_and_match_one_gpu(tmp_path):
         if row["devices"] == 2:
             assert row["loss_max_rel_diff"] <= 0.02, (name, row["loss_max_rel_diff"])
         assert row["losses"][-1] < row["losses"][0], name  # it learns
+
+
+def test_true_half_under_ddp_and_fsdp_matches_one_gpu(tmp_path):
+    """bf16-true with fp32 masters: DDP (masters per rank) and FSDP (the fp32 shards are the masters, LayerNorms
+    wrapped apart in fp32) against one GPU, with an overflow on one rank."""
+    runs = ["1gpu mp-bf16-true", "ddp mp-bf16-true", "fsdp mp-bf16-true"]
+    cmd = [
+        sys.executable, os.path.join(ROOT, "benchmarks", "bench_distributed.py"),
+        "--vocab", "512", "--hidden", "256", "--layers", "2", "--heads", "4", "--seq", "128",
+        "--global-batch", "8", "--steps", "16", "--warmup", "4", "--poison-steps", "5", "11", "--lr", "1e-3",
+        "--out", str(tmp_path), "--tag", "test", "--runs", *runs,
+    ]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["run"]: r for r in json.loads((tmp_path / "bench_distributed_test.json").read_text())["rows"]}
+    for name in runs:
+        row = rows[name]
+        assert "error" not in row, row.get("error")
+        assert row["skipped_per_rank"] == [[5, 11]] * row["devices"], name
+        assert row["same_weights_all_ranks"], name
+        if row["devices"] == 2:
+            assert row["loss_max_rel_diff"] <= 0.02, (name, row["loss_max_rel_diff"])
