@@ -70,7 +70,7 @@ def make_callbacks(variant: str) -> list:
 
 
 def run_variant(args: argparse.Namespace, variant: str, batches: list[torch.Tensor], log_dir: str) -> dict[str, Any]:
-    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_mp import MPPlugin
@@ -91,13 +91,6 @@ def run_variant(args: argparse.Namespace, variant: str, batches: list[torch.Tens
         def train_dataloader(self):
             return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
 
-    class Probe(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            probe.start()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            probe.end()
-
     callbacks = make_callbacks(variant)
     model = bench_overhead.build_model(args)
     fingerprint = bench_overhead.weights_fingerprint(model)
@@ -112,7 +105,7 @@ def run_variant(args: argparse.Namespace, variant: str, batches: list[torch.Tens
         limit_val_batches=0,
         num_sanity_val_steps=0,
         # the probe last: its end event comes after the other callbacks' on_train_batch_end work
-        callbacks=[*callbacks, Probe()],
+        callbacks=[*callbacks, probe.callback()],
         plugins=[MPPlugin("bf16")],
     )
     try:

@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_overhead import GPT, Block, fmt, quiet_lightning  # noqa: E402  the core benchmark's model
+from bench_overhead import GPT, Block, fmt, init_gpt_weights, quiet_lightning  # noqa: E402  the core benchmark's model
 
 RUNS = [
     # name, strategy, devices, precision ("mp:<mode>" or "lightning:<precision>"), MPPlugin arguments
@@ -92,12 +92,7 @@ def worker(cfg: dict[str, Any]) -> None:
         def __init__(self) -> None:
             super().__init__()
             torch.manual_seed(cfg["seed"])
-            self.gpt = GPT(cfg["vocab"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["seq"])
-            for module in self.gpt.modules():
-                if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
-                    torch.nn.init.normal_(module.weight, std=0.02)
-                    if getattr(module, "bias", None) is not None:
-                        torch.nn.init.zeros_(module.bias)
+            self.gpt = init_gpt_weights(GPT(cfg["vocab"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["seq"]))
 
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
             step = int(batch[0])

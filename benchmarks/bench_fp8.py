@@ -113,7 +113,7 @@ def fp8_linear_share(model: nn.Module) -> float:
 
 
 def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -> dict[str, Any]:
-    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch import LightningModule, Trainer
 
     from lightning_mp import MPPlugin
 
@@ -135,13 +135,6 @@ def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
-
-    class Probe(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            probe.start()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            probe.end()
 
     kwargs: dict[str, Any] = {}
     plugin = None
@@ -168,7 +161,7 @@ def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -
         max_steps=probe.total,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[Probe()],
+        callbacks=[probe.callback()],
         **kwargs,
     )
     with warnings.catch_warnings(record=True) as caught:

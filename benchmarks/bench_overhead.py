@@ -168,12 +168,17 @@ def build_model(args: argparse.Namespace) -> GPT:
     torch.manual_seed(args.seed)
     torch.cuda.manual_seed(args.seed)
     with torch.device("cuda"):
-        model = GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq)
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        model = init_gpt_weights(GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq))
+    return model
+
+
+def init_gpt_weights(model: nn.Module) -> nn.Module:
+    """GPT-style initialisation in place: N(0, 0.02) for Linear and Embedding weights, zero biases."""
+    for module in model.modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
     return model
 
 
@@ -194,6 +199,21 @@ class StepProbe:
     The window opens at the end of the last timed step and closes at the end of the last step, so it holds
     ``sync_steps`` complete cycles (batch fetch and copy, forward, backward, optimizer step, hooks).
     """
+
+    def callback(self) -> Any:
+        """A Lightning callback that brackets every training batch with :meth:`start` and :meth:`end`."""
+        from lightning.pytorch import Callback
+
+        probe = self
+
+        class Probe(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                probe.start()
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                probe.end()
+
+        return Probe()
 
     def __init__(self, warmup: int, steps: int, sync_steps: int) -> None:
         self.warmup, self.steps, self.sync_steps = warmup, steps, sync_steps
@@ -284,7 +304,7 @@ def run_plain(
 def run_lightning(
     args: argparse.Namespace, batches: list[torch.Tensor], probe: StepProbe, mode: str
 ) -> dict[str, Any]:
-    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch import LightningModule, Trainer
 
     class LitGPT(LightningModule):
         def __init__(self, model: GPT) -> None:
@@ -307,13 +327,6 @@ def run_lightning(
 
         def train_dataloader(self):
             return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
-
-    class Probe(Callback):
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            probe.start()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            probe.end()
 
     with_scheduler = mode.endswith("+sched")
     with_clip = mode.endswith("+clip")
@@ -356,7 +369,7 @@ def run_lightning(
         max_steps=probe.total,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[Probe()],
+        callbacks=[probe.callback()],
         gradient_clip_val=CLIP if with_clip else None,
         **kwargs,
     )

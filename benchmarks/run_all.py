@@ -42,7 +42,7 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(_HERE))  # the repository root: examples/ (the VLM)
-from bench_overhead import GPT  # noqa: E402  the core benchmark's model
+from bench_overhead import GPT, init_gpt_weights  # noqa: E402  the core benchmark's model
 
 from lightning_mp.compare import ModeResult, _PeakMemory, parse_mode, run_mode  # noqa: E402
 
@@ -236,11 +236,7 @@ def build_model(spec: dict[str, Any], seed: int, device: str) -> nn.Module:
     with torch.device(device):
         model = spec["build"]()
     if spec["reinit"]:  # GPT/ViT: N(0, 0.02) weights, zero biases; the VLM keeps VLMMini's own initialisation
-        for module in model.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+        init_gpt_weights(model)
     return model
 
 

@@ -239,11 +239,8 @@ def fp32_layer_norm(
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     up = _up(x)
     with fp32_region(), contextlib.ExitStack() as stack:
-        if up is not x and torch.is_grad_enabled() and not _saved_tensor_hooks_active():
-            # backward keeps the 16-bit input, not its fp32 copy (the same values): see FP32Guard
-            upcasts = {id(up): (up, up._version, x, x._version)}
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*_save_originals(upcasts)))
-            stack.callback(upcasts.clear)
+        if up is not x:  # backward keeps the 16-bit input, not its fp32 copy (the same values): see FP32Guard
+            _keep_originals(stack, {id(up): (up, up._version, x, x._version)})
         return F.layer_norm(
             up, shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps
         ).to(out)
@@ -257,6 +254,18 @@ class _Original:
 
     def __init__(self, tensor: Tensor) -> None:
         self.tensor = tensor
+
+
+def _keep_originals(stack: contextlib.ExitStack, upcasts: dict[int, tuple[Tensor, int, Tensor, int]]) -> None:
+    """Until ``stack`` closes, what autograd saves of an fp32 copy in ``upcasts`` is kept as its 16-bit original.
+
+    ``upcasts`` maps ``id(copy)`` to ``(copy, copy._version, original, original._version)``. Nothing is done
+    without grad or where other saved-tensor hooks (activation checkpointing, CPU offloading) are in force.
+    """
+    if not torch.is_grad_enabled() or _saved_tensor_hooks_active():
+        return
+    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*_save_originals(upcasts)))
+    stack.callback(upcasts.clear)  # the hooks outlive forward (in backward): they must not keep the copies
 
 
 def _save_originals(upcasts: dict[int, tuple[Tensor, int, Tensor, int]]) -> tuple[Any, Any]:
@@ -319,9 +328,8 @@ class FP32Guard:
         back = None if (self.keep_fp32_output or not low or _autocast_enabled()) else low[0]
         stack = contextlib.ExitStack()
         stack.enter_context(fp32_region())
-        if upcasts and torch.is_grad_enabled() and not _saved_tensor_hooks_active():
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*_save_originals(upcasts)))
-            stack.callback(upcasts.clear)  # the hooks outlive forward (in backward): they must not keep the copies
+        if upcasts:
+            _keep_originals(stack, upcasts)
         self._open.append((stack, back))
         return args, kwargs
 

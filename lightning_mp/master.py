@@ -45,6 +45,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp._host import HostCopy
+
 MASTER_WEIGHT_KINDS: tuple[str, ...] = ("fp32", "kahan", "stochastic", "none")
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -500,7 +502,8 @@ class StochasticRounding(MasterWeights):
         self._generators: dict[str, torch.Generator] = {}
         # a step a fused optimizer may have skipped on the device: the generators' states before its noise was
         # drawn, and its verdict on its way to the host; rewound once the verdict is read (next step, or a save)
-        self._pending: Optional[tuple[dict[str, Tensor], _HostVerdict]] = None
+        self._pending: Optional[dict[str, Tensor]] = None
+        self._verdict = HostCopy()  # the pending step's verdict, on its way to the host
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The rounding noise's generator on ``device`` (seeded with ``seed``; saved in checkpoints)."""
@@ -523,17 +526,17 @@ class StochasticRounding(MasterWeights):
             # skipped on the device: the copy still holds the old weight exactly, which rounds to itself, but the
             # noise drawn for it must not count: remember the generators' states (host values, no sync) and rewind
             # them when the verdict, copied to the host without waiting, says the step was skipped
-            self._pending = ({k: g.get_state() for k, g in self._generators.items()}, _HostVerdict(found_inf))
+            self._pending = {k: g.get_state() for k, g in self._generators.items()}
+            self._verdict.start(found_inf)
         with torch.no_grad():
             for _, _, param, value in records:
                 param.copy_(stochastic_round(value, param.dtype, self.generator(param.device)))
 
     def _settle(self) -> None:
         """Rewind the generators past a step that turned out to be skipped on the device."""
-        pending, self._pending = self._pending, None
-        if pending is None or not pending[1].value():
+        states, self._pending = self._pending, None
+        if states is None or not self._verdict.value():
             return
-        states, _ = pending
         for key in list(self._generators):
             if key in states:
                 self._generators[key].set_state(states[key])
@@ -558,26 +561,6 @@ class StochasticRounding(MasterWeights):
             if device.type == "cuda" and not torch.cuda.is_available():
                 continue
             self.generator(device).set_state(gen_state)
-
-
-class _HostVerdict:
-    """A device flag copied to the host without waiting; ``value()`` waits for the copy only (long done when
-    read a step later)."""
-
-    def __init__(self, flag: Tensor) -> None:
-        self._event = None
-        if flag.device.type == "cuda":
-            self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
-            self._host.copy_(flag.reshape(()), non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = flag.detach().reshape(()).clone()
-
-    def value(self) -> bool:
-        if self._event is not None:
-            self._event.synchronize()
-        return bool(self._host.item())
 
 
 def _swap_in_fp32_copies(

@@ -61,6 +61,7 @@ from torch import Tensor
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp._host import HostCopy
 from lightning_mp.fp8 import FP8Config, FP8Training
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
 from lightning_mp.master import FP32MasterWeights, MasterWeights, attach_master_weights, cast_module_, fp32_values, parse_master_weights
@@ -214,6 +215,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                 raise ValueError(f"{name}={value!r} is invalid: use true or false.")
         if tf32 is not None and not isinstance(tf32, bool):
             raise ValueError(f"tf32={tf32!r} is invalid: use true, false, or null (the mode's default).")
+        self._sharded = False  # set when a convert_module sees Lightning's FSDP strategy (picks the scaler class)
         # validate the scaler arguments now, whatever the mode, so YAML typos fail before training
         self._make_scaler("cpu", scaling=True)
         self.fp32_guards = FP32GuardSpec.from_arg(fp32_modules)
@@ -244,7 +246,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._patched_module: Optional[LightningModule] = None
         self._step_schedulers: set[int] = set()
         self._skip_records: dict[int, Union[bool, Tensor]] = {}
-        self._lagged_consecutive = _LaggedRead()
+        self._consecutive_copy = HostCopy()  # the consecutive-skip counter, read a step late (no sync)
         self._auto_device: Optional[str] = None
         self._device_for_state: Optional[torch.device] = None
         self._converted: Optional[torch.nn.Module] = None  # the module convert_module guarded (and cast)
@@ -263,7 +265,6 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             )
         self._fp32_weights_in_checkpoint: dict[str, Tensor] = {}
         self._fsdp_root: Optional[torch.nn.Module] = None  # the root FSDP module, for clipping over all shards
-        self._sharded = False  # set when a convert_module sees Lightning's FSDP strategy
         self._comm_hooked: list[torch.nn.Module] = []  # DDP models that got the reduce_dtype hook
         self._fp32_init: dict[int, Tensor] = {}  # fp32 weights before the true-half cast: the masters' first values
         self._guarded_classes: tuple[type, ...] = ()  # classes of the guarded modules (FSDP keeps them fp32)
@@ -284,7 +285,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             kw["init_scale"] = float(loss_scale)
             kw["min_scale"] = min(kw["min_scale"], float(loss_scale))
             kw["max_scale"] = max(kw["max_scale"], float(loss_scale))
-        cls = ShardedDynamicLossScaler if getattr(self, "_sharded", False) else DynamicLossScaler
+        cls = ShardedDynamicLossScaler if self._sharded else DynamicLossScaler
         return cls(device, **kw, dynamic=loss_scale is None, scaling=scaling)
 
     @property
@@ -308,7 +309,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             )
 
     def _check_fsdp_param_dtype(self, mode: PrecisionMode) -> None:
-        wanted = getattr(self, "fsdp_param_dtype", None)
+        wanted = self.fsdp_param_dtype
         if wanted in (None, "fp32"):
             return
         if (mode.autocast_dtype or mode.param_dtype) is not _REDUCE_DTYPES[wanted]:
@@ -572,8 +573,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         """Under Lightning's FSDP strategy: refuse the modes FSDP cannot shard, use the sharded scaler."""
         lightning_module = _unwrap_lightning_module(module)
         trainer = getattr(lightning_module, "_trainer", None) if lightning_module is not None else None
-        sharded = _is_fsdp_strategy(getattr(trainer, "strategy", None))
-        if _is_deepspeed_strategy(getattr(trainer, "strategy", None)):
+        strategy = getattr(trainer, "strategy", None)
+        sharded = _is_strategy(strategy, "FSDPStrategy")
+        if _is_strategy(strategy, "DeepSpeedStrategy"):
             raise MisconfigurationException(
                 "MPPlugin does not drive DeepSpeed: DeepSpeed runs its own loss scaling and precision from its config"
                 " (Lightning hands them to it through its DeepSpeedPrecision plugin). Use Trainer(precision='bf16-mixed'"
@@ -582,7 +584,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if (
             self.mode is not None
             and (self.mode.true_half or self.mode.name == "fp8")
-            and _is_model_parallel_strategy(getattr(trainer, "strategy", None))
+            and _is_strategy(strategy, "ModelParallelStrategy")
         ):
             raise MisconfigurationException(
                 f"MPPlugin(precision={self.mode.name!r}) does not run under ModelParallelStrategy: its FSDP2 shards"
@@ -841,7 +843,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if scaler.last_skipped_host is True or counters.device.type != "cuda":
             consecutive = scaler.consecutive_skips  # a skipped step is rare: one read is fine
         else:
-            consecutive = self._lagged_consecutive(counters[2])
+            copy = self._consecutive_copy
+            if copy.started and not copy.ready():
+                return
+            consecutive = int(copy.value()) if copy.started else None
+            copy.start(counters[2])
             if consecutive is None:
                 return
         if consecutive >= limit:
@@ -1006,26 +1012,12 @@ def _is_fsdp(model: Any) -> bool:
     return isinstance(model, FullyShardedDataParallel)
 
 
-def _is_deepspeed_strategy(strategy: Any) -> bool:
-    try:
-        from lightning.pytorch.strategies import DeepSpeedStrategy
-    except ImportError:
-        return False
-    return isinstance(strategy, DeepSpeedStrategy)
+def _is_strategy(strategy: Any, name: str) -> bool:
+    """Whether ``strategy`` is Lightning's strategy class ``name`` (``False`` where this Lightning has none)."""
+    from lightning.pytorch import strategies
 
-
-def _is_model_parallel_strategy(strategy: Any) -> bool:
-    try:
-        from lightning.pytorch.strategies import ModelParallelStrategy
-    except ImportError:
-        return False
-    return isinstance(strategy, ModelParallelStrategy)
-
-
-def _is_fsdp_strategy(strategy: Any) -> bool:
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    return isinstance(strategy, FSDPStrategy)
+    cls = getattr(strategies, name, None)
+    return cls is not None and isinstance(strategy, cls)
 
 
 def _world_size() -> int:
@@ -1047,24 +1039,3 @@ def _root_device(module: Optional[LightningModule], model: Any) -> torch.device:
         return trainer.strategy.root_device
     param = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
     return param.device if param is not None else torch.device("cpu")
-
-
-class _LaggedRead:
-    """Read a small CUDA tensor without waiting: returns the value copied at an earlier call, or None."""
-
-    def __init__(self) -> None:
-        self._host: Optional[Tensor] = None
-        self._event: Optional[Any] = None
-
-    def __call__(self, tensor: Tensor) -> Optional[int]:
-        value = None
-        if self._event is not None:
-            if not self._event.query():
-                return None
-            value = int(self._host.item())
-        if self._host is None:
-            self._host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
-        self._host.copy_(tensor, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
-        return value

@@ -17,12 +17,14 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed
+    _DTensor = None
+
+
 def _is_dtensor(tensor: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without DTensor
-        return False
-    return isinstance(tensor, DTensor)
+    return _DTensor is not None and isinstance(tensor, _DTensor)
 
 
 def _check_positive_finite(name: str, value: float) -> None:
@@ -59,6 +61,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scaling: ``False`` runs only the non-finite step guard: the loss is not scaled (scale stays 1) but
             inf/NaN gradients are still found and the step skipped; this is how bf16/fp32 skip steps.
     """
+
+    #: whether this scaler's own checks already give every rank the same verdict (then no extra all-reduce)
+    verdict_agrees_across_ranks = False
 
     def __init__(
         self,
@@ -214,12 +219,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
             # no parameter of this optimizer has a gradient: nothing to check and nothing would change
             self._check_scale_growth_tracker("step")
             state["found_inf_per_device"] = {self._scale.device: torch.zeros((), device=self._scale.device)}
-        if self.sync_across_ranks:
+        if self.sync_across_ranks and not self.verdict_agrees_across_ranks:
             # a gradient poisoned after DDP's all-reduce exists on one rank only: every rank must skip with it.
             # The collective is enqueued on the device (no host sync).
             for found in state["found_inf_per_device"].values():
                 torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-                found.clamp_(max=1.0)  # a summing all-reduce (ShardedGradScaler.unscale_) gives 2+; fused steps test == 1
         return super().step(optimizer, *args, **kwargs)
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
@@ -367,6 +371,10 @@ class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
     check-only mode are :class:`DynamicLossScaler`'s. MPPlugin picks it under Lightning's FSDP strategy.
     """
 
+    # unscale_ sums the verdict over the process group, and one taken from FSDP's clip_grad_norm_ comes from the
+    # norm of all shards: a second all-reduce would be redundant (and fail on CPU-offloaded flags under NCCL)
+    verdict_agrees_across_ranks = True
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         super().unscale_(optimizer)  # sums the verdict over the process group (CPU-offloaded flags via the device)
         # ShardedGradScaler's verdicts have shape (1,); fused optimizers subtract found_inf from their 0-dim step
@@ -376,12 +384,3 @@ class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
             dev: f.reshape(()).clamp_(max=1.0) for dev, f in state["found_inf_per_device"].items()
         }
 
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        # the verdict is already the same on every rank: unscale_ summed it, and one taken from FSDP's
-        # clip_grad_norm_ comes from the norm of all shards; a second all-reduce would also fail on CPU-offloaded
-        # flags under NCCL
-        sync, self.sync_across_ranks = self.sync_across_ranks, False
-        try:
-            return super().step(optimizer, *args, **kwargs)
-        finally:
-            self.sync_across_ranks = sync

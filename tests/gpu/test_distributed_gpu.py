@@ -20,8 +20,8 @@ pytestmark = [
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_ddp_and_fsdp_skip_together_and_match_one_gpu(tmp_path):
-    runs = ["1gpu mp-bf16", "1gpu mp-fp16", "ddp mp-bf16", "ddp mp-fp16", "fsdp mp-bf16", "fsdp mp-fp16"]
+def run_bench(tmp_path, runs: list[str]) -> dict:
+    """bench_distributed.py at toy size over ``runs``, overflow on the last rank at steps 5 and 11; rows by name."""
     cmd = [
         sys.executable, os.path.join(ROOT, "benchmarks", "bench_distributed.py"),
         "--vocab", "512", "--hidden", "256", "--layers", "2", "--heads", "4", "--seq", "128",
@@ -31,7 +31,12 @@ def test_ddp_and_fsdp_skip_together_and_match_one_gpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["run"]: r for r in json.loads((tmp_path / "bench_distributed_test.json").read_text())["rows"]}
+    return {r["run"]: r for r in json.loads((tmp_path / "bench_distributed_test.json").read_text())["rows"]}
+
+
+def test_ddp_and_fsdp_skip_together_and_match_one_gpu(tmp_path):
+    runs = ["1gpu mp-bf16", "1gpu mp-fp16", "ddp mp-bf16", "ddp mp-fp16", "fsdp mp-bf16", "fsdp mp-fp16"]
+    rows = run_bench(tmp_path, runs)
     assert set(rows) == set(runs)
     for name in runs:
         row = rows[name]
@@ -48,16 +53,7 @@ def test_true_half_under_ddp_and_fsdp_matches_one_gpu(tmp_path):
     """bf16-true with fp32 masters: DDP (masters per rank) and FSDP (the fp32 shards are the masters, LayerNorms
     wrapped apart in fp32) against one GPU, with an overflow on one rank."""
     runs = ["1gpu mp-bf16-true", "ddp mp-bf16-true", "fsdp mp-bf16-true"]
-    cmd = [
-        sys.executable, os.path.join(ROOT, "benchmarks", "bench_distributed.py"),
-        "--vocab", "512", "--hidden", "256", "--layers", "2", "--heads", "4", "--seq", "128",
-        "--global-batch", "8", "--steps", "16", "--warmup", "4", "--poison-steps", "5", "11", "--lr", "1e-3",
-        "--out", str(tmp_path), "--tag", "test", "--runs", *runs,
-    ]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = {r["run"]: r for r in json.loads((tmp_path / "bench_distributed_test.json").read_text())["rows"]}
+    rows = run_bench(tmp_path, runs)
     for name in runs:
         row = rows[name]
         assert "error" not in row, row.get("error")
