@@ -424,6 +424,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                 accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
                 automatic_optimization=module.automatic_optimization if module is not None else True,
             )
+            # inf/NaN that FP8 casts saturate reach no gradient: the sentinel adds them to the step's verdict
+            self._fp8.watch_saturation(self.scaler is not None)
         return model, optimizers, lr_schedulers
 
     def _apply_reduce_dtype(self, model: Any) -> None:
@@ -534,6 +536,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     @override
     def teardown(self) -> None:
         self._restore_tf32()
+        if self._fp8 is not None:
+            self._fp8.watch_saturation(False)  # TE's own amax reduction back, hooks off
         if self._patched_module is not None:
             self._patched_module.__dict__.pop("lr_scheduler_step", None)
             self._patched_module = None
@@ -818,6 +822,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             scaler.unscale_once_(optimizer)  # hooks and clipping must see true gradients
         self._after_closure(model, optimizer)
         scaler.unscale_once_(optimizer)  # without scaling: the check, unless clipping by norm gave the verdict
+        if self._fp8 is not None:
+            saturated = self._fp8.sentinel.take()  # an inf an FP8 cast made finite: skip the step too
+            if saturated is not None:
+                scaler.add_found_inf_(optimizer, saturated)
         step_output = scaler.step(optimizer, **kwargs)
         if masters is not None:
             skipped = scaler.last_skipped_host

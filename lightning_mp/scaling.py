@@ -162,6 +162,23 @@ class DynamicLossScaler(torch.amp.GradScaler):
         state["stage"] = OptState.UNSCALED
         return True
 
+    def add_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+        """Fold another inf/NaN finding (a device tensor, > 0 when found) into this step's verdict, after the check.
+
+        For what the gradients cannot show, e.g. an inf that an FP8 cast saturated into a finite value. The verdict
+        stays 0 or 1 (fused optimizers skip on ``found_inf == 1``); no host sync.
+        """
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            raise RuntimeError("add_found_inf_() must follow unscale_() (or the check) for this optimizer.")
+        bad = (flag.detach().reshape(()) > 0).float()
+        found = state["found_inf_per_device"]
+        if not found:
+            found[bad.device] = bad
+            return
+        for device, value in found.items():
+            value.copy_(torch.maximum(value, bad.to(device, non_blocking=True)).reshape(value.shape))
+
     def unscale_once_(self, optimizer: torch.optim.Optimizer) -> None:
         """``unscale_`` unless it already ran for this optimizer since the last ``update()``."""
         if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from lightning_mp.fp8.config import RECIPE_CLASSES, FP8Config
 from lightning_mp.fp8.convert import ConversionReport, apply_weights_dtype, convert_to_te
 from lightning_mp.fp8.filters import ModuleFilterFn
+from lightning_mp.fp8.sentinel import SaturationSentinel
 
 log = logging.getLogger("lightning_mp.fp8")
 
@@ -392,6 +393,19 @@ _PLAIN = (bool, int, float, str)
 _PROCESS_LOCAL_KEYS = frozenset({"buffer_index_and_autocast_key", "global_fp8_buffer_pos_fwd_recompute"})
 
 
+#: Transformer Engine module classes that run FP8 GEMMs (their inputs and output gradients are cast to FP8)
+FP8_GEMM_MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+
+
+def fp8_gemm_modules(model: nn.Module) -> list[nn.Module]:
+    """The Transformer Engine modules in ``model`` that run FP8 GEMMs (``te.Linear``, ``te.LayerNormLinear``...)."""
+    return [
+        m
+        for m in model.modules()
+        if type(m).__module__.startswith("transformer_engine.") and type(m).__name__ in FP8_GEMM_MODULES
+    ]
+
+
 def _is_delayed(recipe: Any) -> bool:
     check = getattr(recipe, "delayed", None)
     if callable(check):
@@ -615,6 +629,8 @@ class FP8Training:
         self._recipe: Any = None
         self._autocast_fn: Optional[Callable[[], Any]] = None
         self._pending: Optional[dict[str, Any]] = None
+        #: finds inf/NaN that FP8 casts would saturate into finite values (see :mod:`lightning_mp.fp8.sentinel`)
+        self.sentinel = SaturationSentinel()
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -722,6 +738,20 @@ class FP8Training:
     def weights_updated(self) -> None:
         """Call after every optimizer step: cached FP8 weight casts are stale."""
         self.weight_cache.weights_updated()
+
+    def watch_saturation(self, on: bool = True) -> Optional[str]:
+        """Start (or stop) the saturation sentinel on the converted model's FP8 modules; returns its mode.
+
+        Example::
+
+            fp8.watch_saturation()                  # 'amax' with delayed scaling, 'hooks' otherwise
+            ...backward...
+            flag = fp8.sentinel.take()              # > 0: an FP8 operand held inf/NaN: skip this step
+        """
+        self.sentinel.detach()
+        if not on or self._model is None:
+            return None
+        return self.sentinel.attach(fp8_gemm_modules(self._model), delayed=_is_delayed(self.recipe))
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -426,3 +426,52 @@ def test_stochastic_rounding_generator_ignores_a_step_skipped_on_the_device():
         assert not torch.equal(states.before[5][key], states.after[5][key])  # a clean step does
         finals.append(plugin.masters.state_dict()["generators"])
     assert_nested_equal(finals[0], finals[1], "generators")
+
+
+# --------------------------------------------------------------------------------------------- guarded LayerNorm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_guarded_layer_norm_runs_the_mixed_kernel_as_exactly_as_the_upcast_path(dtype):
+    """True-half: a guarded nn.LayerNorm takes the 16-bit input against its fp32 weights in CUDA's one kernel.
+
+    Against an fp64 reference, its output and the input/weight/bias gradients are as close as those of the upcast
+    path (fp32 copies of the input), which a LayerNorm subclass with its own forward still takes.
+    """
+    from lightning_mp.guards import apply_fp32_guards, mixed_layer_norm_supported
+
+    assert mixed_layer_norm_supported("cuda", dtype)
+
+    class UpcastLayerNorm(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x)
+
+    g = torch.Generator().manual_seed(0)
+    width, rows = 1024, 4096
+    x = (torch.randn(rows, width, generator=g) * 4 + 1).to("cuda", dtype)
+    w = (torch.rand(width, generator=g) + 0.5).cuda()
+    b = torch.randn(width, generator=g).cuda()
+    dy = torch.randn(rows, width, generator=g).to("cuda", dtype)
+
+    def run(cls, dt=None):
+        model = nn.Sequential(cls(width)).cuda()
+        apply_fp32_guards(model, None)
+        with torch.no_grad():
+            model[0].weight.copy_(w)
+            model[0].bias.copy_(b)
+        if dt is not None:
+            model.double()
+        seen = []
+        model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+        xi = (x if dt is None else x.to(dt)).clone().requires_grad_(True)
+        y = model(xi)
+        y.backward(dy if dt is None else dy.to(dt))
+        return seen, [t.double() for t in (y, xi.grad, model[0].weight.grad, model[0].bias.grad)]
+
+    seen_native, native = run(nn.LayerNorm)
+    seen_upcast, upcast = run(UpcastLayerNorm)
+    _, reference = run(UpcastLayerNorm, torch.float64)
+    assert seen_native == [dtype] and seen_upcast == [torch.float32]
+    assert native[0].dtype == upcast[0].dtype
+    for name, n, u, r in zip(("output", "input grad", "weight grad", "bias grad"), native, upcast, reference):
+        err_native = (n - r).abs().max().item()
+        err_upcast = (u - r).abs().max().item()
+        assert err_native <= 1.5 * err_upcast + 1e-6, (name, err_native, err_upcast)

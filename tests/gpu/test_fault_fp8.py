@@ -10,15 +10,14 @@ The model is two ``nn.Linear(64, 64)`` (both dimensions divisible by 16, as FP8 
 rows), both converted to ``te.Linear`` (``size_rule="off"``, ``keep_last=0``), so the poisoned activation
 is the input of an FP8 GEMM.
 
-Known gap (seen on an H200 with Transformer Engine 2.20.2, both recipes, both optimizers): an inf/-inf
-activation that enters an FP8 GEMM is not skipped. TE's casts to FP8 saturate (``cvt.rn.satfinite``): the
-inf becomes +-448 / scale, the output, loss and every gradient stay finite, so the optimizer steps on it
-(``test_fp8_saturated_inf_activation_is_skipped`` holds those cells, as strict xfails). NaN is not
-saturated and is skipped. The same holds for an inf loss when the last layer runs in FP8 without a bias
-(``keep_last=0``): its output gradient saturates too, and only a bias gradient (summed from the unquantized
-output gradient) or a bf16 layer (the default ``keep_last=1`` keeps the last linear in bf16) would carry the
-inf (``test_fp8_saturated_inf_loss_gradient_is_skipped``). With delayed scaling the inf/NaN also stays in
-that GEMM operand's amax history, which holds its scale where it was for ``amax_history_len`` steps.
+Saturation (first seen on an H200 with Transformer Engine 2.20.2, then fixed): TE's casts to FP8 saturate
+(``cvt.rn.satfinite``), so an inf/-inf activation entering an FP8 GEMM becomes +-448 / scale and the output, loss
+and every gradient stay finite; the same for an inf loss when the last layer runs in FP8 without a bias (its output
+gradient saturates). The gradient check alone let the optimizer step on it. The saturation sentinel
+(lightning_mp.fp8.sentinel) now adds those to the step's verdict: from TE's own amaxes with delayed scaling (and
+scrubs the poisoned step's amaxes so the history holds no inf), from checks of each FP8 GEMM's input and output
+gradient with the other recipes. ``test_fp8_saturated_inf_activation_is_skipped`` and
+``test_fp8_saturated_inf_loss_gradient_is_skipped`` were strict xfails before the fix.
 
 Skipped unless CUDA, compute capability >= 8.9 and ``transformer_engine`` are present. Run on the GPU machine::
 
@@ -43,6 +42,7 @@ if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
 pytest.importorskip("transformer_engine")
 
 from conftest import StepRecorder, TinyRegressor, assert_state_equal, make_trainer  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
@@ -56,7 +56,7 @@ BATCH = 16
 WHERE = ("loss", "grad", "activation")
 WHAT = {"inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 HOW = ("automatic", "accumulate4")
-#: the cells FP8 does not skip: an inf/-inf activation saturates in the FP8 cast (see the module docstring)
+#: the cells where the inf saturates in the FP8 cast (see the module docstring): skipped through the sentinel
 SATURATED = [("activation", what, how) for what in ("inf", "-inf") for how in HOW]
 CELLS = [cell for cell in itertools.product(WHERE, WHAT, HOW) if cell not in SATURATED]
 CONFIGS = [("delayed", "adam"), ("delayed", "adamw_fused"), ("current", "adam")]
@@ -109,14 +109,22 @@ def run_cell(recipe: str, optimizer: str, where: str, what: str, how: str, bias:
         **{f"poison_{where}": (poisoned_batch,)},
     )
     plugin = MPPlugin("fp8", fp8={"recipe": recipe, "size_rule": "off", "keep_last": 0})
+    seen_modes: list = []
+
+    class SentinelMode(Callback):
+        def on_train_start(self, trainer, pl_module):
+            seen_modes.append(plugin._fp8.sentinel.mode)
+
     recorder = StepRecorder()
     trainer = make_trainer(
-        plugin, max_steps=STEPS, callbacks=[recorder], accumulate_grad_batches=accumulate, accelerator="gpu"
+        plugin, max_steps=STEPS, callbacks=[recorder, SentinelMode()], accumulate_grad_batches=accumulate, accelerator="gpu"
     )
     trainer.fit(model)
 
     # both layers ran in FP8, and the fault really entered
     assert trainer.precision == "transformer-engine"
+    assert plugin._fp8.sentinel.mode is None  # detached at teardown
+    assert seen_modes == ["amax" if recipe == "delayed" else "hooks"]
     linears = te_linears(model)
     assert set(linears) == {"net1", "net2"} and all(m.fp8 for m in linears.values()), "not every layer ran in FP8"
     if where == "grad":
@@ -144,6 +152,9 @@ def run_cell(recipe: str, optimizer: str, where: str, what: str, how: str, bias:
         for key in ("scale_fwd", "scale_bwd"):
             if key in entry:
                 assert torch.isfinite(entry[key]).all() and (entry[key] > 0).all(), f"{name} {key}: {entry[key]}"
+        for key in ("amax_history_fwd", "amax_history_bwd"):  # the poisoned step's amaxes were scrubbed
+            if key in entry:
+                assert torch.isfinite(entry[key]).all(), f"{name} {key} holds inf/NaN: {entry[key]}"
 
 
 @pytest.mark.parametrize("recipe, optimizer", CONFIGS, ids=CONFIG_IDS)
@@ -160,29 +171,12 @@ def test_fault_matrix_fp8(recipe, optimizer, capsys):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "gap: MPPlugin('fp8') skips only steps with inf/NaN gradients, and an inf activation entering an FP8 GEMM"
-        " saturates to the largest FP8 value in Transformer Engine's cast: loss and gradients stay finite and the"
-        " step is taken"
-    ),
-)
 @pytest.mark.parametrize("cell", SATURATED, ids=["/".join(c) for c in SATURATED])
 @pytest.mark.parametrize("recipe, optimizer", CONFIGS, ids=CONFIG_IDS)
 def test_fp8_saturated_inf_activation_is_skipped(recipe, optimizer, cell):
     run_cell(recipe, optimizer, *cell)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason=(
-        "gap: with the last layer in FP8 and no bias, the inf output gradient of an inf loss saturates in"
-        " Transformer Engine's cast: every gradient stays finite and the step is taken"
-    ),
-)
 @pytest.mark.parametrize("what", ["inf", "-inf"])
 @pytest.mark.parametrize("recipe", ["delayed", "current"])
 def test_fp8_saturated_inf_loss_gradient_is_skipped(recipe, what):
