@@ -63,11 +63,28 @@ from bench_overhead import (  # noqa: E402
 )
 
 ALL_MODES = ("mp-bf16", "mp-fp8", "mp-fp8-all", "mp-fp8-bf16w", "mp-fp8-bf16w-all", "lightning-te")
+#: diagnostic modes (``--modes`` names them): what the defaults' parts cost
+EXTRA_MODES = (
+    "mp-fp8-noguards",
+    "mp-fp8-nocheck",
+    "mp-fp8-bf16w-all-nocheck",
+    "mp-fp8-bf16w-all-current",
+    "mp-fp8-bf16w-all-current-nocheck",
+)
 FP8_SETTINGS: dict[str, dict[str, Any]] = {
     "mp-fp8": {},
     "mp-fp8-all": {"keep_last": 0, "size_rule": "off"},
     "mp-fp8-bf16w": {"weights": "bf16"},
     "mp-fp8-bf16w-all": {"weights": "bf16", "keep_last": 0, "size_rule": "off"},
+    # the defaults with the LayerNorms converted to TE (guards off), head still bf16
+    "mp-fp8-noguards": {},
+    # the saturation sentinel off: its cost with delayed scaling (TE's amaxes) and current scaling (hooks)
+    "mp-fp8-nocheck": {"check_saturation": False},
+    "mp-fp8-bf16w-all-nocheck": {"weights": "bf16", "keep_last": 0, "size_rule": "off", "check_saturation": False},
+    "mp-fp8-bf16w-all-current": {"weights": "bf16", "keep_last": 0, "size_rule": "off", "recipe": "current"},
+    "mp-fp8-bf16w-all-current-nocheck": {
+        "weights": "bf16", "keep_last": 0, "size_rule": "off", "recipe": "current", "check_saturation": False,
+    },
 }
 #: the Trainer's accelerator; a module global so the logic can be dry-run elsewhere
 ACCELERATOR = "gpu"
@@ -143,7 +160,8 @@ def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -
     elif mode == "mp-bf16":
         plugin = MPPlugin("bf16")
     else:
-        extra = _mp_kwargs_without_guards() if mode.endswith("-all") else {}
+        unguarded = "-all" in mode or mode.endswith("-noguards")
+        extra = _mp_kwargs_without_guards() if unguarded else {}
         plugin = make_fp8_plugin(FP8_SETTINGS[mode], **extra)
     if plugin is not None:
         kwargs["plugins"] = [plugin]
@@ -226,7 +244,7 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated subset of {', '.join(ALL_MODES)}")
+    p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated subset of {', '.join(ALL_MODES)}; diagnostic: {', '.join(EXTRA_MODES)}")
     p.add_argument(
         "--sizes", type=parse_sizes, default=parse_sizes("4096:8:8:32,8192:4:4:64"),
         help="comma-separated hidden:layers:batch:heads (default 4096:8:8:32,8192:4:4:64: the anchor shapes of shared/GPU.md)",
@@ -241,9 +259,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in ALL_MODES]
+    unknown = [m for m in modes if m not in ALL_MODES + EXTRA_MODES]
     if unknown or not modes:
-        p.error(f"--modes: unknown {unknown or 'empty list'}; choose from {', '.join(ALL_MODES)}")
+        p.error(f"--modes: unknown {unknown or 'empty list'}; choose from {', '.join(ALL_MODES + EXTRA_MODES)}")
     args.modes = modes
     if args.warmup < 1 or args.steps < 1:
         p.error("--warmup and --steps must be >= 1")

@@ -176,6 +176,7 @@ def test_config_from_value():
         ({"weights": "fp16"}, r"fp8 weights='fp16' is invalid\. Accepted values: 'fp32', 'bf16'"),
         ({"fp8_in_eval": "yes"}, r"fp8 fp8_in_eval='yes' is invalid: use true or false"),
         ({"convert_layernorm": 1}, r"convert_layernorm=1 is invalid: use true or false"),
+        ({"check_saturation": "no"}, r"check_saturation='no' is invalid: use true or false"),
         ({"cache_fp8_weights": True}, r"cache_fp8_weights=True is invalid\. Accepted values: 'auto', 'always', 'never'"),
         ({"amax_history": 16}, r"Unknown fp8 setting 'amax_history'\. Did you mean 'amax_history_len'\? Accepted settings: recipe,"),
         ({"speed": 2}, r"Unknown fp8 setting 'speed'\. Accepted settings: recipe, fp8_format,"),

@@ -87,6 +87,10 @@ class FP8Config:
         cache_fp8_weights: pass ``is_first_microbatch`` to Transformer Engine so a weight is cast to FP8 once
             per optimizer step, not once per micro-batch. ``"auto"``: when ``accumulate_grad_batches > 1``;
             ``"always"``: in every training forward (manual optimization that accumulates); ``"never"``.
+        check_saturation: also skip steps where an inf reached an FP8 cast, which saturates it into a finite
+            value that no gradient check sees (see :mod:`lightning_mp.fp8.sentinel`). Free with delayed scaling
+            (TE's own amaxes are read); other recipes read each FP8 GEMM's input and output gradient once more.
+            Needs the plugin's inf/NaN check (``skip_nonfinite=True``, the default).
     """
 
     recipe: RecipeName = "delayed"
@@ -104,6 +108,7 @@ class FP8Config:
     weights: Literal["fp32", "bf16"] = "fp32"
     fp8_in_eval: bool = False
     cache_fp8_weights: Literal["auto", "always", "never"] = "auto"
+    check_saturation: bool = True
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -136,7 +141,7 @@ class FP8Config:
                 f"fp8 min_features={self.min_features} takes effect with size_rule='auto' only, not"
                 f" size_rule={self.size_rule!r}. Remove min_features, or set size_rule='auto'."
             )
-        for name in ("convert_layernorm", "fp8_in_eval"):
+        for name in ("convert_layernorm", "fp8_in_eval", "check_saturation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"fp8 {name}={getattr(self, name)!r} is invalid: use true or false.")
         put("weights", _choice("weights", self.weights, WEIGHTS, lower=True))

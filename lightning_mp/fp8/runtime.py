@@ -749,7 +749,7 @@ class FP8Training:
             flag = fp8.sentinel.take()              # > 0: an FP8 operand held inf/NaN: skip this step
         """
         self.sentinel.detach()
-        if not on or self._model is None:
+        if not on or not self.config.check_saturation or self._model is None:
             return None
         return self.sentinel.attach(fp8_gemm_modules(self._model), delayed=_is_delayed(self.recipe))
 
