@@ -218,60 +218,6 @@ def fp32_log_softmax(x: Tensor, dim: int, *, dtype: Optional[torch.dtype] = None
         return F.log_softmax(_up(x), dim=dim).to(out)
 
 
-#: (device type, 16-bit dtype) -> whether ``F.layer_norm`` runs a 16-bit input with fp32 weights in one kernel
-_MIXED_LAYER_NORM: dict[tuple[str, torch.dtype], bool] = {}
-
-
-def mixed_layer_norm_supported(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether ``F.layer_norm`` takes a ``dtype`` input with fp32 weight and bias on ``device_type`` (forward and
-    backward) in one kernel: statistics and affine transform computed in fp32, the output rounded once to
-    ``dtype``, the same values as upcasting the input first (the upcast is exact), without the fp32 copies.
-
-    Probed once per device type and dtype with a small tensor; ``False`` where the backend refuses it, or where
-    its backward sums the weight and bias gradients in 16 bits (torch's CPU kernel does): 384 rows of an output
-    gradient of ``1 + 2**-7`` must sum to 387 as they do in fp32.
-    """
-    key = (device_type, dtype)
-    known = _MIXED_LAYER_NORM.get(key)
-    if known is not None:
-        return known
-    if torch.compiler.is_compiling():
-        return False  # no probing while tracing; the upcast path is always correct
-    try:
-        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device_type, enabled=False):
-            rows = 384
-            x = torch.tensor([1.0, -1.0] * 4, dtype=dtype, device=device_type).repeat(rows, 1).requires_grad_(True)
-            w = torch.ones(8, dtype=torch.float32, device=device_type, requires_grad=True)
-            b = torch.zeros(8, dtype=torch.float32, device=device_type, requires_grad=True)
-            y = F.layer_norm(x, (8,), w, b, 0.0)
-            y.backward(torch.full_like(y, 1 + 2**-7))
-            total = rows * (1 + 2**-7)  # 387: exact in fp32; a 16-bit running sum drifts far from it
-            ok = (
-                y.dtype == dtype
-                and x.grad is not None
-                and x.grad.dtype == dtype
-                and w.grad is not None
-                and w.grad.dtype == torch.float32
-                and bool(torch.allclose(b.grad, torch.full_like(b.grad, total), rtol=0, atol=0.01))
-                and bool(torch.allclose(w.grad.abs(), torch.full_like(w.grad, total), rtol=0, atol=0.01))
-            )
-    except (RuntimeError, TypeError, NotImplementedError):
-        ok = False
-    _MIXED_LAYER_NORM[key] = ok
-    return ok
-
-
-def _mixed_layer_norm_fits(x: Any, weight: Optional[Tensor], bias: Optional[Tensor]) -> bool:
-    """A 16-bit ``x`` with fp32 (or no) affine parameters, outside autocast, on a backend with the mixed kernel."""
-    return (
-        isinstance(x, Tensor)
-        and x.dtype in _LOW
-        and all(t is None or (t.dtype == torch.float32 and t.device == x.device) for t in (weight, bias))
-        and not _autocast_enabled()
-        and mixed_layer_norm_supported(x.device.type, x.dtype)
-    )
-
-
 def fp32_layer_norm(
     x: Tensor,
     normalized_shape: Union[int, Sequence[int]],
@@ -291,16 +237,13 @@ def fp32_layer_norm(
     """
     out = _result_dtype(x, dtype)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-    w32 = None if weight is None else weight.float()
-    b32 = None if bias is None else bias.float()
-    if out == x.dtype and _mixed_layer_norm_fits(x, w32, b32):
-        # true-half: one kernel computes in fp32 from the 16-bit input and rounds the output once (no fp32 copies)
-        return F.layer_norm(x, shape, w32, b32, eps)
     up = _up(x)
     with fp32_region(), contextlib.ExitStack() as stack:
         if up is not x:  # backward keeps the 16-bit input, not its fp32 copy (the same values): see FP32Guard
             _keep_originals(stack, {id(up): (up, up._version, x, x._version)})
-        return F.layer_norm(up, shape, w32, b32, eps).to(out)
+        return F.layer_norm(
+            up, shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps
+        ).to(out)
 
 
 # --------------------------------------------------------------------------------------------- module guards
@@ -362,32 +305,14 @@ class FP32Guard:
     (the copy was made from them), so gradients do not change; the saved activation takes half the memory.
     (Not done where other saved-tensor hooks are active, e.g. activation checkpointing or CPU offloading: they
     take precedence.)
-
-    ``nn.LayerNorm`` (and subclasses that keep its ``forward``) in true-half modes: no upcast at all. torch's
-    ``layer_norm`` takes the 16-bit input with the fp32 weight and bias in one kernel that computes statistics
-    and the affine transform in fp32 and rounds the output once, which is what the upcast path computes, without
-    its fp32 copies of input, output and gradients (see :func:`mixed_layer_norm_supported`).
     """
 
-    def __init__(self, keep_fp32_output: bool, native_mixed: bool = False) -> None:
+    def __init__(self, keep_fp32_output: bool) -> None:
         self.keep_fp32_output = keep_fp32_output
-        #: a module whose forward is ``nn.LayerNorm``'s: without autocast, a 16-bit input runs as it is against the
-        #: fp32 weights (where the backend has that kernel)
-        self.native_mixed = native_mixed
         self.handles: list[Any] = []
-        self._open: list[Optional[tuple[contextlib.ExitStack, Optional[torch.dtype]]]] = []
+        self._open: list[tuple[contextlib.ExitStack, Optional[torch.dtype]]] = []
 
-    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
-        if (
-            self.native_mixed
-            and len(args) == 1
-            and not kwargs
-            and _mixed_layer_norm_fits(args[0], module.weight, module.bias)
-        ):
-            # true-half LayerNorm: its own forward runs the 16-bit input against the fp32 weights in one kernel,
-            # statistics in fp32, output rounded once to the input's dtype: no fp32 copies, same values
-            self._open.append(None)
-            return None
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         low: list[torch.dtype] = []
         upcasts: dict[int, tuple[Tensor, int, Tensor, int]] = {}  # id(fp32 copy) -> (copy, version, original, version)
 
@@ -411,10 +336,7 @@ class FP32Guard:
     def after(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self._open:
             return None
-        opened = self._open.pop()
-        if opened is None:
-            return None
-        stack, back = opened
+        stack, back = self._open.pop()
         stack.close()
         if back is None or output is None:
             return None
@@ -462,9 +384,7 @@ def apply_fp32_guards(
         sub = module.get_submodule(name)
         if isinstance(sub.__dict__.get(_GUARD_ATTR), FP32Guard) and sub.__dict__[_GUARD_ATTR].handles:
             continue
-        guard = FP32Guard(
-            keep_fp32_output=_keeps_fp32_output(sub), native_mixed=type(sub).forward is nn.LayerNorm.forward
-        )
+        guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub))
         # both first in line: other pre-hooks run inside the fp32 region on fp32 inputs, and other forward
         # hooks see the output as the next layer receives it
         guard.handles = [

@@ -329,19 +329,9 @@ def test_default_loss_guard_takes_torch_losses_not_any_class_named_loss():
 
 
 # --------------------------------------------------------------------------------------------- saved activations
-class UpcastLayerNorm(nn.LayerNorm):
-    """A LayerNorm with a forward of its own: its guard takes the upcast path (fp32 copies of the input)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)
-
-
-def _guarded_ln(width: int, cls: type = UpcastLayerNorm) -> nn.Module:
-    model = nn.Sequential(cls(width))
+def _guarded_ln(width: int) -> nn.Module:
+    model = nn.Sequential(nn.LayerNorm(width))
     apply_fp32_guards(model, None)
-    with torch.no_grad():  # affine parameters away from 1 and 0
-        model[0].weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
-        model[0].bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(2))
     return model
 
 
@@ -432,86 +422,3 @@ def test_fp32_layer_norm_helper_saves_the_original_too():
         return x.grad
 
     assert torch.equal(grads(False), grads(True))
-
-
-# --------------------------------------------------------------------------------------------- native mixed LayerNorm
-# The kernel that runs a 16-bit input against fp32 weights is used only where mixed_layer_norm_supported() finds its
-# gradients exact. torch's CPU kernel sums the weight/bias gradients in 16 bits, so on the CPU the guard keeps the
-# upcast path; the tests that take the native path here force the probe's verdict (``native_kernel``), and
-# tests/gpu/test_cuda.py runs the same comparisons with CUDA's kernel for real.
-@pytest.fixture
-def native_kernel(monkeypatch):
-    from lightning_mp import guards
-
-    monkeypatch.setattr(guards, "_MIXED_LAYER_NORM", {("cpu", torch.bfloat16): True, ("cpu", torch.float16): True})
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_mixed_layer_norm_probe_refuses_the_cpu_kernel_that_sums_parameter_gradients_in_16_bits(dtype):
-    from lightning_mp.guards import mixed_layer_norm_supported
-
-    x = torch.tensor([1.0, -1.0] * 4, dtype=dtype).repeat(384, 1).requires_grad_(True)
-    b = torch.zeros(8, requires_grad=True)
-    y = F.layer_norm(x, (8,), torch.ones(8), b, 0.0)
-    y.backward(torch.full_like(y, 1 + 2**-7))
-    exact = bool(torch.allclose(b.grad, torch.full_like(b.grad, 387.0), rtol=0, atol=0.01))
-    assert mixed_layer_norm_supported("cpu", dtype) is exact  # the verdict follows what the kernel does
-    model = _guarded_ln(8, nn.LayerNorm)
-    seen = []
-    model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
-    model(torch.randn(4, 8).to(dtype))
-    assert seen == [dtype if exact else torch.float32]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_guarded_layer_norm_without_upcast_gives_the_upcast_values(native_kernel, dtype):
-    """nn.LayerNorm in true-half: the mixed kernel (no copies) against the upcast path (forward; see above)."""
-    native = _guarded_ln(256, nn.LayerNorm)
-    upcast = _guarded_ln(256, UpcastLayerNorm)
-    assert torch.equal(native[0].weight, upcast[0].weight)
-    x = (torch.randn(64, 256, generator=torch.Generator().manual_seed(3)) * 5 + 2).to(dtype)
-    seen = {}
-    native[0].register_forward_hook(lambda m, a, o: seen.update(native=(a[0].dtype, o.dtype)))
-    upcast[0].register_forward_hook(lambda m, a, o: seen.update(upcast=(a[0].dtype, o.dtype)))
-    out_native, out_upcast = native(x), upcast(x)
-    # what forward received (hooks after the guard's see its output cast back): the upcast path made an fp32 copy
-    assert seen == {"native": (dtype, dtype), "upcast": (torch.float32, dtype)}
-    assert out_native.dtype == out_upcast.dtype == dtype  # what the next layer receives
-    # one rounding of the same fp32 result: equal up to the order of the fp32 sums
-    torch.testing.assert_close(out_native.float(), out_upcast.float(), rtol=2**-7, atol=1e-3)
-    assert (out_native != out_upcast).float().mean() < 0.01
-    grads = _grads(native, x)
-    assert [g.dtype for g in grads] == [dtype, torch.float32, torch.float32]
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set size from /proc")
-def test_guarded_layer_norm_without_upcast_keeps_no_fp32_copy(native_kernel):
-    n = 32 * 2**20  # 32 M elements: 64 MB in bf16
-    model = _guarded_ln(1024, nn.LayerNorm)
-    x = torch.randn(n // 1024, 1024).bfloat16().requires_grad_(True)
-    gc.collect()
-    before = _rss_bytes()
-    out = model(x)
-    kept = _rss_bytes() - before
-    assert out.dtype is torch.bfloat16
-    assert kept < 1.25 * 2 * n  # the bf16 output and the small statistics: no fp32 copy (128 MB) at all
-    del out
-
-
-def test_guarded_layer_norm_under_autocast_still_upcasts(native_kernel):
-    model = _guarded_ln(16, nn.LayerNorm)
-    seen = []
-    model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(torch.randn(4, 16).bfloat16())
-    assert seen == [torch.float32] and out.dtype == torch.float32
-
-
-def test_fp32_layer_norm_helper_without_upcast_gives_the_upcast_values(native_kernel):
-    g = torch.Generator().manual_seed(4)
-    x = (torch.randn(32, 128, generator=g) * 3).bfloat16()
-    w, b = torch.rand(128, generator=g) + 0.5, torch.randn(128, generator=g)
-    native = fp32_layer_norm(x, 128, w, b)
-    reference = F.layer_norm(x.float(), (128,), w, b).bfloat16()
-    assert native.dtype is torch.bfloat16
-    torch.testing.assert_close(native.float(), reference.float(), rtol=2**-7, atol=1e-3)
