@@ -24,6 +24,9 @@ mp-bf16-true-stochastic  ``MPPlugin("bf16-true", master_weights="stochastic")``:
 mp-bf16-true-none        ``MPPlugin("bf16-true", master_weights="none")``: plain bf16 weights and state (guards on)
 mp-bf16-true-noguards    ``MPPlugin("bf16-true", fp32_modules=[])``: fp32 masters, LayerNorms in bf16 (what the
                          guards cost)
+...-teadam               either of the two above with Transformer Engine's ``FusedAdam(master_weights=True)``
+                         instead of torch's fused AdamW: the optimizer keeps the fp32 masters (one kernel reads
+                         bf16 gradients, writes fp32 masters and bf16 weights); needs Transformer Engine
 =======================  ====================================================================
 
 The true-half modes are not in the default ``--modes`` list; name them, e.g.
@@ -96,6 +99,8 @@ TRUE_HALF_MODES = (
     "mp-bf16-true-stochastic",
     "mp-bf16-true-none",
     "mp-bf16-true-noguards",
+    "mp-bf16-true-teadam",
+    "mp-bf16-true-noguards-teadam",
 )
 KNOWN_MODES = ALL_MODES + TRUE_HALF_MODES
 NATIVE = {
@@ -318,6 +323,10 @@ def run_lightning(
             return loss
 
         def configure_optimizers(self):
+            if te_adam:  # Transformer Engine's FusedAdam keeps the fp32 masters (master_weights="optimizer")
+                from transformer_engine.pytorch.optimizers import FusedAdam
+
+                return FusedAdam(self.parameters(), lr=args.lr, master_weights=True)
             opt = make_optimizer(self.parameters(), args.lr)
             if not with_scheduler:
                 return opt
@@ -328,6 +337,8 @@ def run_lightning(
         def train_dataloader(self):
             return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
 
+    te_adam = mode.endswith("-teadam")
+    mode = mode.removesuffix("-teadam")
     with_scheduler = mode.endswith("+sched")
     with_clip = mode.endswith("+clip")
     mode = mode.removesuffix("+sched").removesuffix("+clip")
@@ -347,7 +358,7 @@ def run_lightning(
             if variant == "noguards":
                 plugin = MPPlugin("bf16-true", fp32_modules=[])
             else:
-                plugin = MPPlugin("bf16-true", master_weights=variant or "fp32")
+                plugin = MPPlugin("bf16-true", master_weights=variant or None)  # unset: fp32, or the optimizer's own
         elif mode == "mp-bf16-keep-grads":
             plugin = MPPlugin("bf16", release_grads_after_step=False)
         elif mode == "mp-bf16-noskip":

@@ -13,6 +13,9 @@ written into the weight. Four ways to deal with it, chosen with ``MPPlugin(maste
 ``"stochastic"``  the updated weight is rounded to half precision stochastically:        2 bytes/param
                 unbiased, so small updates survive on average
 ``"none"``      plain half weights, as Lightning's ``bf16-true`` (optimizer state half)   2 bytes/param
+``"optimizer"``  the optimizer keeps fp32 masters itself (Transformer Engine's            2 + 4 bytes/param
+                ``FusedAdam(master_weights=True)``: one kernel reads the half gradients
+                and writes masters and half weights); nothing is attached here
 ==============  =====================================================================  ==================
 
 (plus the optimizer state: fp32 in the first three, e.g. 8 bytes/param for Adam.) With ``"kahan"`` and
@@ -47,7 +50,7 @@ from torch.optim import Optimizer
 
 from lightning_mp._host import HostCopy
 
-MASTER_WEIGHT_KINDS: tuple[str, ...] = ("fp32", "kahan", "stochastic", "none")
+MASTER_WEIGHT_KINDS: tuple[str, ...] = ("fp32", "kahan", "stochastic", "none", "optimizer")
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 #: the stochastic-rounding generator's seed: the same on every rank, so data-parallel replicas round alike
@@ -626,18 +629,57 @@ def attach_master_weights(
 
     Call it after the model is cast to half precision and the optimizers are made, before their first step.
     ``module`` gives the parameters their names (for checkpoints). ``existing`` (of the same kind) is reused,
-    so fp32 masters made earlier for the same parameters keep their low bits. Returns ``None`` for ``"none"``.
+    so fp32 masters made earlier for the same parameters keep their low bits. Returns ``None`` for ``"none"``
+    and ``"optimizer"``.
 
     Example::
 
         masters = attach_master_weights(optimizer, "kahan", module=model)
     """
     kind = parse_master_weights(kind)
-    if kind == "none":
-        return None
+    if kind in ("none", "optimizer"):
+        return None  # plain half weights, or an optimizer that keeps its own masters
     masters = existing if existing is not None and existing.kind == kind else _KINDS[kind]()
     for optimizer in [optimizers] if isinstance(optimizers, Optimizer) else optimizers:
         masters.attach(optimizer, module)
     if isinstance(masters, FP32MasterWeights):
         masters._initial.clear()  # fp32 originals of parameters no optimizer holds are not kept alive
     return masters
+
+
+def keeps_own_masters(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` keeps fp32 master weights of half-precision parameters itself.
+
+    Transformer Engine's and Apex's ``FusedAdam(master_weights=True)`` say so with a ``master_weights``
+    attribute; a LightningOptimizer is looked through.
+    """
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    return getattr(optimizer, "master_weights", False) is True
+
+
+def seed_optimizer_masters(optimizer: Optimizer, initial: dict[int, Tensor]) -> int:
+    """Start the masters of an optimizer that keeps its own (:func:`keeps_own_masters`) from the exact fp32 weights.
+
+    ``initial`` maps ``id(param)`` to the fp32 value the half parameter had before it was cast. Uses Transformer
+    Engine's ``FusedAdam`` API (``initialize_state``/``set_scaled_state``); optimizers without it, or storing
+    its masters as 16-bit remainders of the half weights, start from the half weights (returns 0). Returns how
+    many masters were seeded.
+    """
+    optimizer = getattr(optimizer, "_optimizer", optimizer)
+    init = getattr(optimizer, "initialize_state", None)
+    set_state = getattr(optimizer, "set_scaled_state", None)
+    if not (callable(init) and callable(set_state)) or getattr(optimizer, "store_param_remainders", False):
+        return 0
+    seeded = 0
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            value = initial.get(id(param))
+            if value is None or param.dtype not in _HALF or value.shape != param.shape:
+                continue
+            if value.to(param.dtype).ne(param.detach().to(value.device)).any():
+                continue  # the weight changed since it was cast: its own value is the truth
+            if not optimizer.state.get(param):
+                init(param, False)
+            set_state(param, "master_param", value.to(device=param.device, dtype=torch.float32))
+            seeded += 1
+    return seeded

@@ -55,7 +55,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, P
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
@@ -64,7 +64,16 @@ from typing_extensions import override
 from lightning_mp._host import HostCopy
 from lightning_mp.fp8 import FP8Config, FP8Training
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
-from lightning_mp.master import FP32MasterWeights, MasterWeights, attach_master_weights, cast_module_, fp32_values, parse_master_weights
+from lightning_mp.master import (
+    FP32MasterWeights,
+    MasterWeights,
+    attach_master_weights,
+    cast_module_,
+    fp32_values,
+    keeps_own_masters,
+    parse_master_weights,
+    seed_optimizer_masters,
+)
 from lightning_mp.modes import AUTO, MODES, PLANNED, auto_choice, PrecisionMode, parse_precision, provisional_lightning_precision, resolve_mode
 from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler, _is_dtensor
 from lightning_mp.stats import NonFiniteTrainingError, StepStats
@@ -135,7 +144,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         master_weights: how updates to half-precision weights keep their precision (``bf16-true`` and
             ``fp16-true`` only): ``"fp32"`` (default: fp32 master copies stepped by the optimizer),
             ``"kahan"`` (a half-precision compensation buffer per parameter), ``"stochastic"`` (stochastic
-            rounding of each updated weight) or ``"none"`` (plain half weights, as Lightning's ``bf16-true``);
+            rounding of each updated weight), ``"none"`` (plain half weights, as Lightning's ``bf16-true``) or
+            ``"optimizer"`` (the optimizer keeps fp32 masters itself, e.g. Transformer Engine's
+            ``FusedAdam(master_weights=True)``, whose one kernel reads the half gradients and writes masters and
+            half weights; chosen by itself when every optimizer keeps its own masters and this is unset);
             ``True``/``False`` are short for ``"fp32"``/``"none"``.
             See :mod:`lightning_mp.master`. With ``"fp32"`` gradients live on the masters: read them from
             ``optimizer.param_groups``, not from the model's parameters.
@@ -230,6 +242,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             )
         self.fsdp_param_dtype = fsdp_param_dtype
         self._master_weights_arg = None if master_weights is None else parse_master_weights(master_weights)
+        #: "optimizer" when master_weights is unset and the optimizers keep their own masters (found at set-up)
+        self._master_weights_found: Optional[str] = None
 
         self.skip_nonfinite = skip_nonfinite
         self.max_consecutive_skips = max_consecutive_skips
@@ -293,7 +307,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         """The master-weights option in force: ``None`` unless the mode is ``bf16-true``/``fp16-true``."""
         if self.mode is None or not self.mode.true_half:
             return None
-        return self._master_weights_arg or "fp32"
+        return self._master_weights_arg or self._master_weights_found or "fp32"
 
     @property
     def masters(self) -> Optional[MasterWeights]:
@@ -480,6 +494,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if not self.mode.true_half or self.master_weights == "none" or not optimizers or self._fsdp_root is not None:
             return  # (under FSDP the fp32 shards are the master weights)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
+        if self._optimizer_keeps_masters(raw, initial):
+            return
         for opt in raw:
             if isinstance(opt, LBFGS):
                 raise MisconfigurationException(
@@ -492,6 +508,42 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._masters = attach_master_weights(raw, self.master_weights, module=module or model, existing=existing)
         if initial and isinstance(self._masters, FP32MasterWeights) and _world_size() > 1:
             self._masters.broadcast_(src=0)  # ranks initialised differently: rank 0's weights, as DDP's, in fp32
+
+    def _optimizer_keeps_masters(self, raw: list, initial: dict[int, Tensor]) -> bool:
+        """``master_weights="optimizer"`` (asked for, or found: every optimizer keeps its own masters)."""
+        assert self.mode is not None
+        self._master_weights_found = None  # found again for these optimizers
+        own = [keeps_own_masters(opt) for opt in raw]
+        names = ", ".join(sorted({type(opt).__name__ for opt in raw}))
+        asked = self._master_weights_arg
+        if asked == "optimizer":
+            if not all(own):
+                raise MisconfigurationException(
+                    f"MPPlugin(precision={self.mode.name!r}, master_weights='optimizer') needs optimizers that keep fp32"
+                    f" master weights themselves, but {names} does not (no master_weights=True). Use Transformer"
+                    " Engine's FusedAdam(params, master_weights=True), or master_weights='fp32' (the default) with"
+                    " any optimizer."
+                )
+        elif asked is None and own and all(own):
+            self._master_weights_found = "optimizer"
+            rank_zero_info(
+                f"MPPlugin({self.mode.name!r}): {names} keeps fp32 master weights itself (master_weights=True):"
+                " master_weights='optimizer', no second copy."
+            )
+        elif any(own):
+            raise MisconfigurationException(
+                f"MPPlugin(precision={self.mode.name!r}, master_weights={self.master_weights!r}) with {names}, which keeps"
+                " fp32 master weights itself (master_weights=True): there would be two sets of masters"
+                + (" or none where the optimizer steps half weights" if not all(own) else "")
+                + ". Use master_weights='optimizer' (or leave it unset) with such an optimizer, or master_weights=False"
+                " in the optimizer."
+            )
+        else:
+            return False
+        seeded = sum(seed_optimizer_masters(opt, initial) for opt in raw) if initial else 0
+        if seeded:
+            rank_zero_debug(f"MPPlugin: {seeded} optimizer-held master weights start from the exact fp32 weights.")
+        return True
 
     def _apply_tf32(self) -> None:
         assert self.mode is not None
@@ -561,7 +613,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             # (under FSDP the fp32 shards are the master weights and FSDP gathers half weights for compute)
             before = {id(p): p.data for p in module.parameters() if p.dtype == torch.float32}
             cast_module_(module, self.mode.param_dtype, keep_fp32=guarded)
-            if self.master_weights == "fp32" and self._masters is None:
+            if self.master_weights in ("fp32", "optimizer") and self._masters is None:
                 # the fp32 tensors the cast replaced (kept, not copied) seed the masters: exact fp32 weights
                 cast = {id(p) for p in module.parameters() if p.dtype != torch.float32}
                 self._fp32_init = {i: t for i, t in before.items() if i in cast}
