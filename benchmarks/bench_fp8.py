@@ -70,6 +70,9 @@ EXTRA_MODES = (
     "mp-fp8-bf16w-all-nocheck",
     "mp-fp8-bf16w-all-current",
     "mp-fp8-bf16w-all-current-nocheck",
+    # bf16 weights with Transformer Engine's FusedAdam(master_weights=True): fp32 masters kept by the optimizer
+    "mp-fp8-bf16w-teadam",
+    "mp-fp8-bf16w-all-teadam",
 )
 FP8_SETTINGS: dict[str, dict[str, Any]] = {
     "mp-fp8": {},
@@ -82,6 +85,8 @@ FP8_SETTINGS: dict[str, dict[str, Any]] = {
     "mp-fp8-nocheck": {"check_saturation": False},
     "mp-fp8-bf16w-all-nocheck": {"weights": "bf16", "keep_last": 0, "size_rule": "off", "check_saturation": False},
     "mp-fp8-bf16w-all-current": {"weights": "bf16", "keep_last": 0, "size_rule": "off", "recipe": "current"},
+    "mp-fp8-bf16w-teadam": {"weights": "bf16"},
+    "mp-fp8-bf16w-all-teadam": {"weights": "bf16", "keep_last": 0, "size_rule": "off"},
     "mp-fp8-bf16w-all-current-nocheck": {
         "weights": "bf16", "keep_last": 0, "size_rule": "off", "recipe": "current", "check_saturation": False,
     },
@@ -94,6 +99,9 @@ TARGETS = (
     ("mp-fp8-all", "mp-bf16", 1.6),
     ("mp-fp8-bf16w", "lightning-te", 1.0),
     ("mp-fp8-bf16w-all", "lightning-te", 1.0),
+    # fp32 masters kept by the optimizer (bf16 weights in the model): the fp32-master target again
+    ("mp-fp8-bf16w-teadam", "mp-bf16", 1.6),
+    ("mp-fp8-bf16w-all-teadam", "mp-bf16", 1.6),
 )
 
 
@@ -148,6 +156,10 @@ def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -
             return loss
 
         def configure_optimizers(self):
+            if mode.endswith("-teadam"):  # the fp32 masters kept by Transformer Engine's FusedAdam
+                from transformer_engine.pytorch.optimizers import FusedAdam
+
+                return FusedAdam(self.parameters(), lr=args.lr, master_weights=True)
             return make_optimizer(self.parameters(), args.lr)
 
         def train_dataloader(self):

@@ -431,6 +431,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._apply_tf32()
         self._hold_schedulers(module, optimizers, lr_schedulers)
         self._attach_master_weights(module, model, optimizers)
+        self._warn_redundant_optimizer_masters(optimizers)
         if self._fp8 is not None and self.mode.name == "fp8":
             self._fp8.check(device)  # recipe-specific: e.g. mxfp8 needs Blackwell
             trainer = getattr(module, "_trainer", None) if module is not None else None
@@ -508,6 +509,27 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._masters = attach_master_weights(raw, self.master_weights, module=module or model, existing=existing)
         if initial and isinstance(self._masters, FP32MasterWeights) and _world_size() > 1:
             self._masters.broadcast_(src=0)  # ranks initialised differently: rank 0's weights, as DDP's, in fp32
+
+    def _warn_redundant_optimizer_masters(self, optimizers: list) -> None:
+        """An optimizer that keeps fp32 masters of parameters that are fp32 already holds a second fp32 copy."""
+        for opt in optimizers:
+            raw = getattr(opt, "_optimizer", opt)
+            if not keeps_own_masters(raw):
+                continue
+            fp32 = [p for g in raw.param_groups for p in g["params"] if isinstance(p, Tensor) and p.dtype == torch.float32]
+            if fp32 and len(fp32) == sum(len(g["params"]) for g in raw.param_groups):
+                mode = self.mode.name if self.mode is not None else self._requested
+                way = (
+                    "fp8={'weights': 'bf16'} (the optimizer's masters are then the fp32 copy)"
+                    if mode == "fp8"
+                    else "precision='bf16-true' (its masters are then the fp32 copy)"
+                )
+                rank_zero_warn(
+                    f"MPPlugin({mode!r}): {type(raw).__name__} keeps fp32 master weights itself (master_weights=True),"
+                    " but the parameters it steps are fp32 already, so it holds a second fp32 copy of every weight"
+                    f" (4 bytes a parameter for nothing). Use {way}, or master_weights=False in the optimizer."
+                )
+                return
 
     def _optimizer_keeps_masters(self, raw: list, initial: dict[int, Tensor]) -> bool:
         """``master_weights="optimizer"`` (asked for, or found: every optimizer keeps its own masters)."""

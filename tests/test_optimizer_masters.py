@@ -191,3 +191,9 @@ def test_two_sets_of_masters_are_refused(kind):
     model = Regressor()
     with pytest.raises(MisconfigurationException, match=rf"master_weights='{kind}'.*two sets of masters.*master_weights='optimizer'"):
         make_trainer(MPPlugin("bf16-true", master_weights=kind), max_steps=1).fit(model)
+
+
+def test_an_optimizer_keeping_masters_of_fp32_weights_is_warned_about():
+    model = Regressor()
+    with pytest.warns(UserWarning, match=r"OwnMastersAdamW keeps fp32 master weights itself.*second fp32 copy.*precision='bf16-true'"):
+        make_trainer(MPPlugin("bf16"), max_steps=1).fit(model)
