@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -246,6 +247,71 @@ def fp32_layer_norm(
         ).to(out)
 
 
+# --------------------------------------------------------------------------------------------- fused LayerNorm
+# A guarded nn.LayerNorm in a true-half model computes layer_norm(x.float(), fp32 weights).to(x.dtype). Eager torch
+# writes that as three kernels with fp32 copies of the input, the output and both gradients (torch's CUDA
+# layer_norm refuses fp32 weights with a 16-bit input). On CUDA with Triton the same function is compiled once by
+# torch.compile into fused kernels that read and write 16 bits and compute in fp32: the same values up to the order
+# of the fp32 sums, without the fp32 copies.
+_FUSED_LAYER_NORM: dict[str, Any] = {"fn": None, "failed": None}
+
+
+def _layer_norm_fp32(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, shape: tuple) -> Tensor:
+    return F.layer_norm(x.float(), shape, weight, bias, eps).to(x.dtype)
+
+
+def fused_layer_norm_available(x: Tensor) -> bool:
+    """Whether a guarded LayerNorm on ``x`` runs as one compiled kernel (CUDA, Triton, no earlier failure)."""
+    if not x.is_cuda or _FUSED_LAYER_NORM["failed"] is not None:
+        return False
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return has_triton()
+
+
+def _fused_layer_norm() -> Any:
+    fn = _FUSED_LAYER_NORM["fn"]
+    if fn is None:
+        fn = _FUSED_LAYER_NORM["fn"] = torch.compile(_layer_norm_fp32, fullgraph=True, dynamic=None)
+    return fn
+
+
+class _FusedLayerNormForward:
+    """The forward of a guarded ``nn.LayerNorm``: the compiled kernel when its guard's pre-hook chose it, else its own.
+
+    An object (not a bound method) in the module's ``__dict__``, so pickled and deep-copied models keep it, bound
+    to their own copy of the module.
+    """
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.LayerNorm) -> None:
+        self.module = module
+
+    def __call__(self, input: Tensor) -> Tensor:
+        return _fused_layer_norm_forward(self.module, input)
+
+
+def _fused_layer_norm_forward(self: nn.LayerNorm, input: Tensor) -> Tensor:
+    guard = self.__dict__.get(_GUARD_ATTR)
+    if isinstance(guard, FP32Guard) and guard._fused_next:
+        guard._fused_next = False
+        shape = tuple(self.normalized_shape)
+        try:
+            return _fused_layer_norm()(input, self.weight, self.bias, self.eps, shape)
+        except Exception as err:  # a compiler problem must not stop training: the eager path computes the same
+            _FUSED_LAYER_NORM["failed"] = f"{type(err).__name__}: {err}"
+            warnings.warn(
+                f"lightning_mp: the compiled fp32 LayerNorm guard failed ({_FUSED_LAYER_NORM['failed']:.200}); guarded"
+                " LayerNorms use the eager upcast from now on (same values, more memory traffic).",
+                stacklevel=2,
+            )
+            return _layer_norm_fp32(input, self.weight, self.bias, self.eps, shape)
+    return nn.LayerNorm.forward(self, input)
+
+
 # --------------------------------------------------------------------------------------------- module guards
 class _Original:
     """A saved fp32 tensor stood in for by the 16-bit tensor it was upcast from (see :class:`FP32Guard`)."""
@@ -307,12 +373,20 @@ class FP32Guard:
     take precedence.)
     """
 
-    def __init__(self, keep_fp32_output: bool) -> None:
+    def __init__(self, keep_fp32_output: bool, fused_layer_norm: bool = False) -> None:
         self.keep_fp32_output = keep_fp32_output
+        #: an ``nn.LayerNorm`` whose forward this guard replaced: outside autocast, on CUDA, a 16-bit input runs
+        #: through the compiled fp32 kernel (see :func:`fused_layer_norm_available`)
+        self.fused_layer_norm = fused_layer_norm
+        self._fused_next = False
         self.handles: list[Any] = []
-        self._open: list[tuple[contextlib.ExitStack, Optional[torch.dtype]]] = []
+        self._open: list[Optional[tuple[contextlib.ExitStack, Optional[torch.dtype]]]] = []
 
-    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        if self.fused_layer_norm and len(args) == 1 and not kwargs and self._fused_fits(module, args[0]):
+            self._fused_next = True  # the module's forward runs the compiled fp32 kernel on the 16-bit input
+            self._open.append(None)
+            return None
         low: list[torch.dtype] = []
         upcasts: dict[int, tuple[Tensor, int, Tensor, int]] = {}  # id(fp32 copy) -> (copy, version, original, version)
 
@@ -336,11 +410,28 @@ class FP32Guard:
     def after(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self._open:
             return None
-        stack, back = self._open.pop()
+        opened = self._open.pop()
+        if opened is None:  # the compiled kernel ran: its output is in the input's dtype already
+            self._fused_next = False
+            return None
+        stack, back = opened
         stack.close()
         if back is None or output is None:
             return None
         return tree_map_only(Tensor, lambda t: t.to(back) if t.dtype == torch.float32 else t, output)
+
+    @staticmethod
+    def _fused_fits(module: nn.Module, x: Any) -> bool:
+        return (
+            isinstance(x, Tensor)
+            and x.dtype in _LOW
+            and all(
+                t is None or (t.dtype == torch.float32 and t.device == x.device)
+                for t in (getattr(module, "weight", None), getattr(module, "bias", None))
+            )
+            and not _autocast_enabled()
+            and fused_layer_norm_available(x)
+        )
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -384,7 +475,10 @@ def apply_fp32_guards(
         sub = module.get_submodule(name)
         if isinstance(sub.__dict__.get(_GUARD_ATTR), FP32Guard) and sub.__dict__[_GUARD_ATTR].handles:
             continue
-        guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub))
+        fused = type(sub).forward is nn.LayerNorm.forward
+        guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub), fused_layer_norm=fused)
+        if fused:
+            sub.forward = _FusedLayerNormForward(sub)
         # both first in line: other pre-hooks run inside the fp32 region on fp32 inputs, and other forward
         # hooks see the output as the next layer receives it
         guard.handles = [
@@ -402,6 +496,8 @@ def remove_fp32_guards(module: nn.Module) -> list[str]:
         guard = sub.__dict__.pop(_GUARD_ATTR, None)
         if isinstance(guard, FP32Guard):
             guard.remove()
+            if guard.fused_layer_norm:
+                sub.__dict__.pop("forward", None)
             removed.append(name)
     return removed
 

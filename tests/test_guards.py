@@ -5,6 +5,7 @@ import copy
 import gc
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -422,3 +423,80 @@ def test_fp32_layer_norm_helper_saves_the_original_too():
         return x.grad
 
     assert torch.equal(grads(False), grads(True))
+
+
+# --------------------------------------------------------------------------------------------- compiled LayerNorm
+# On CUDA with Triton a guarded nn.LayerNorm in a true-half model runs torch.compile's fused kernel of
+# layer_norm(x.float(), fp32 weights).to(x.dtype). The CPU has neither, so these tests stand the eager function in
+# for the compiled one to check the dispatch; tests/gpu/test_cuda.py runs the compiled kernel for real.
+@pytest.fixture
+def fused_stand_in(monkeypatch):
+    from lightning_mp import guards
+
+    calls = []
+
+    def eager(x, w, b, eps, shape):
+        calls.append(x.dtype)
+        return guards._layer_norm_fp32(x, w, b, eps, shape)
+
+    monkeypatch.setattr(guards, "fused_layer_norm_available", lambda x: guards._FUSED_LAYER_NORM["failed"] is None)
+    monkeypatch.setitem(guards._FUSED_LAYER_NORM, "fn", eager)
+    monkeypatch.setitem(guards._FUSED_LAYER_NORM, "failed", None)
+    return calls
+
+
+class OwnForwardLayerNorm(nn.LayerNorm):
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _guarded_norm(cls=nn.LayerNorm, width=64):
+    model = nn.Sequential(cls(width))
+    apply_fp32_guards(model)
+    with torch.no_grad():
+        model[0].weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+        model[0].bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(2))
+    return model
+
+
+def test_guarded_layer_norm_takes_the_compiled_kernel_on_16bit_inputs(fused_stand_in):
+    fused, eager = _guarded_norm(), _guarded_norm(OwnForwardLayerNorm)
+    eager.load_state_dict(fused.state_dict())
+    seen = []
+    fused[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    x = (torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 4).bfloat16()
+    out = fused(x)
+    assert seen == [torch.bfloat16] and fused_stand_in == [torch.bfloat16]  # no fp32 copy made before the kernel
+    assert out.dtype is torch.bfloat16 and torch.equal(out, eager(x))
+    for a, b in zip(_grads(fused, x), _grads(eager, x)):
+        assert torch.equal(a, b)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps its fp32 rule: the eager upcast path
+        assert fused(x).dtype is torch.float32
+    assert fused_stand_in.count(torch.bfloat16) == 2  # the forward and the one in _grads; not under autocast
+
+
+def test_a_failing_compiled_kernel_falls_back_to_the_eager_upcast(fused_stand_in, monkeypatch):
+    from lightning_mp import guards
+
+    def broken(*args):
+        raise RuntimeError("no ptxas here")
+
+    monkeypatch.setitem(guards._FUSED_LAYER_NORM, "fn", broken)
+    model, reference = _guarded_norm(), _guarded_norm(OwnForwardLayerNorm)
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(4, 64).bfloat16()
+    with pytest.warns(UserWarning, match="compiled fp32 LayerNorm guard failed .*no ptxas here"):
+        out = model(x)
+    assert torch.equal(out, reference(x))
+    assert "no ptxas here" in guards._FUSED_LAYER_NORM["failed"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(model(x), reference(x))  # the eager path from now on, without a second warning
+
+
+def test_only_plain_layer_norms_get_the_compiled_forward():
+    model = nn.Sequential(nn.LayerNorm(8), OwnForwardLayerNorm(8), nn.GroupNorm(2, 8))
+    apply_fp32_guards(model)
+    assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__ and "forward" not in model[2].__dict__
+    remove_fp32_guards(model)
+    assert "forward" not in model[0].__dict__

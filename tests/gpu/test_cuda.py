@@ -427,3 +427,51 @@ def test_stochastic_rounding_generator_ignores_a_step_skipped_on_the_device():
         finals.append(plugin.masters.state_dict()["generators"])
     assert_nested_equal(finals[0], finals[1], "generators")
 
+
+
+# --------------------------------------------------------------------------------------------- guarded LayerNorm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_guarded_layer_norm_compiled_kernel_is_as_exact_as_the_upcast_path(dtype):
+    """True-half: a guarded nn.LayerNorm runs torch.compile's fused fp32 kernel on the 16-bit input.
+
+    Against an fp64 reference its output and input/weight/bias gradients are as close as the eager upcast path's
+    (a LayerNorm subclass with its own forward keeps that path).
+    """
+    from lightning_mp import guards
+    from lightning_mp.guards import apply_fp32_guards
+
+    class UpcastLayerNorm(nn.LayerNorm):
+        def forward(self, x):
+            return super().forward(x)
+
+    g = torch.Generator().manual_seed(0)
+    width, rows = 1024, 4096
+    x = (torch.randn(rows, width, generator=g) * 4 + 1).to("cuda", dtype)
+    assert guards.fused_layer_norm_available(x), "needs Triton"
+    w = (torch.rand(width, generator=g) + 0.5).cuda()
+    b = torch.randn(width, generator=g).cuda()
+    dy = torch.randn(rows, width, generator=g).to("cuda", dtype)
+
+    def run(cls, dt=None):
+        model = nn.Sequential(cls(width)).cuda()
+        apply_fp32_guards(model, None)
+        with torch.no_grad():
+            model[0].weight.copy_(w)
+            model[0].bias.copy_(b)
+        if dt is not None:
+            model.double()
+        seen = []
+        model[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+        xi = (x if dt is None else x.to(dt)).clone().requires_grad_(True)
+        y = model(xi)
+        y.backward(dy if dt is None else dy.to(dt))
+        return seen, [t.double() for t in (y, xi.grad, model[0].weight.grad, model[0].bias.grad)]
+
+    seen_fused, fused = run(nn.LayerNorm)
+    assert guards._FUSED_LAYER_NORM["failed"] is None, guards._FUSED_LAYER_NORM["failed"]
+    seen_upcast, upcast = run(UpcastLayerNorm)
+    _, reference = run(UpcastLayerNorm, torch.float64)
+    assert seen_fused == [dtype] and seen_upcast == [torch.float32]
+    for name, f, u, r in zip(("output", "input grad", "weight grad", "bias grad"), fused, upcast, reference):
+        err_fused, err_upcast = (f - r).abs().max().item(), (u - r).abs().max().item()
+        assert err_fused <= 1.5 * err_upcast + 1e-6, (name, err_fused, err_upcast)
