@@ -172,3 +172,47 @@ def test_add_found_inf_before_the_check_is_refused():
     scaler.ensure_initialized(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="must follow unscale_"):
         scaler.add_found_inf_(opt, torch.tensor(1.0))
+
+
+def test_amax_mode_ignores_reductions_while_the_model_evaluates(manager):
+    history = torch.zeros(2, 3)
+    manager.quantization_state.global_amax_buffer = {"forward_k": [history[0]]}
+    model = _model()
+    sentinel = SaturationSentinel(manager=manager)
+    sentinel.attach([model[0]], delayed=True, root=model)
+    model.eval()  # e.g. validation with fp8_in_eval and grad enabled: no optimizer step follows
+    history[0] = torch.tensor([math.inf, 1.0, 0.0])
+    manager.reduce_and_update_fp8_tensors(forward=True)
+    assert sentinel.take() is None and manager.reductions[-1][1][0] == math.inf  # neither flagged nor scrubbed
+    model.train()
+    manager.reduce_and_update_fp8_tensors(forward=True)
+    assert float(sentinel.take()) == 1.0
+    sentinel.detach()
+
+
+def test_seeding_optimizer_masters_needs_the_te_interface_and_an_unchanged_weight():
+    from lightning_mp.master import keeps_own_masters, seed_optimizer_masters
+
+    p = torch.nn.Parameter(torch.tensor([1.0 + 2**-12, 2.0]).bfloat16())
+    original = torch.tensor([1.0 + 2**-12, 2.0])
+    plain = torch.optim.AdamW([p])
+    assert not keeps_own_masters(plain) and seed_optimizer_masters(plain, {id(p): original}) == 0
+
+    class Own(torch.optim.SGD):
+        master_weights = True
+        store_param_remainders = False
+
+        def initialize_state(self, param, remainders):
+            self.state[param]["master_param"] = param.detach().float().clone()
+
+        def set_scaled_state(self, param, name, value):
+            self.state[param][name] = value.clone()
+
+    opt = Own([p], lr=0.1)
+    assert keeps_own_masters(opt)
+    assert seed_optimizer_masters(opt, {id(p): original}) == 1
+    assert torch.equal(opt.state[p]["master_param"], original)  # the exact fp32 value, not its bf16 rounding
+    changed = torch.tensor([3.0, 2.0])  # no longer what the bf16 weight holds: its own value is the truth
+    assert seed_optimizer_masters(Own([p], lr=0.1), {id(p): changed}) == 0
+    opt.store_param_remainders = True  # masters as 16 extra bits of the bf16 weight: not settable to any fp32
+    assert seed_optimizer_masters(opt, {id(p): original}) == 0

@@ -751,7 +751,7 @@ class FP8Training:
         self.sentinel.detach()
         if not on or not self.config.check_saturation or self._model is None:
             return None
-        return self.sentinel.attach(fp8_gemm_modules(self._model), delayed=_is_delayed(self.recipe))
+        return self.sentinel.attach(fp8_gemm_modules(self._model), delayed=_is_delayed(self.recipe), root=self._model)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:

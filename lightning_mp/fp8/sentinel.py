@@ -128,13 +128,19 @@ class SaturationSentinel:
         self.mode: Optional[str] = None
         self._flag: Optional[Tensor] = None
         self._handles: list[Any] = []
+        self._root: Optional[weakref.ref] = None
         self.watched = 0
 
     # ------------------------------------------------------------------ set-up
-    def attach(self, modules: list[nn.Module], *, delayed: bool) -> str:
-        """Watch ``modules`` (the FP8 modules); ``delayed``: the recipe is delayed scaling. Returns the mode."""
+    def attach(self, modules: list[nn.Module], *, delayed: bool, root: Optional[nn.Module] = None) -> str:
+        """Watch ``modules`` (the FP8 modules); ``delayed``: the recipe is delayed scaling. Returns the mode.
+
+        ``root``: the model; while it is in eval mode (validation with ``fp8_in_eval`` and grad enabled) TE's
+        reductions are not watched, as no optimizer step follows them.
+        """
         self.detach()
         self.watched = len(modules)
+        self._root = weakref.ref(root) if root is not None else None
         if delayed:
             manager = self._manager if self._manager is not None else _te_manager()
             if manager is not None and install_amax_watch(manager):
@@ -173,6 +179,9 @@ class SaturationSentinel:
         they were, as the skipped step leaves the weights.
         """
         if not tensors:
+            return
+        root = self._root() if self._root is not None else None
+        if root is not None and not root.training:
             return
         with torch.no_grad():
             tensors = [t.detach() for t in tensors]
