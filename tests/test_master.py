@@ -474,7 +474,7 @@ def test_resume_in_another_mode_or_kind_keeps_the_fp32_values(tmp_path):
     ("kwargs", "match"),
     [
         ({"precision": "bf16-true", "master_weights": "fp64"},
-         "master_weights='fp64' is invalid. Accepted values: 'fp32', 'kahan', 'stochastic', 'none'"),
+         "master_weights='fp64' is invalid. Accepted values: 'fp32', 'kahan', 'stochastic', 'none', 'optimizer'"),
         ({"precision": "bf16-true", "master_weights": 3}, "master_weights=3 is invalid"),
         ({"precision": "bf16", "master_weights": "kahan"},
          "master_weights='kahan' applies to half-precision weights, but precision='bf16' keeps fp32 weights"),

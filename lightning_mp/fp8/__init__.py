@@ -26,6 +26,7 @@ from lightning_mp.fp8.runtime import (
     FP8UnavailableError,
     MicrobatchWeightCache,
     build_recipe,
+    fp8_gemm_modules,
     check_fp8_support,
     fp8_device_problem,
     fp8_scaling_state,
@@ -33,6 +34,7 @@ from lightning_mp.fp8.runtime import (
     load_fp8_scaling_state,
     te_installed,
 )
+from lightning_mp.fp8.sentinel import SaturationSentinel
 
 __all__ = [
     "AUTO_MIN_FEATURES",
@@ -43,6 +45,7 @@ __all__ = [
     "MicrobatchWeightCache",
     "ModuleFilter",
     "ModuleRecord",
+    "SaturationSentinel",
     "apply_weights_dtype",
     "auto_size_rule",
     "build_module_filter",
@@ -50,6 +53,7 @@ __all__ = [
     "check_fp8_support",
     "convert_to_te",
     "fp8_device_problem",
+    "fp8_gemm_modules",
     "first_last_rule",
     "fp8_scaling_state",
     "fp8_support_problem",
