@@ -8,11 +8,13 @@ Example (a plain loop; ``MPPlugin("fp8")`` wires the same calls to Lightning's h
 
     fp8 = FP8Training({"recipe": "delayed"})
     fp8.convert(model, device="cuda")               # checks, swaps layers, logs what it converted
+    fp8.watch_saturation()                          # an inf an FP8 cast would saturate raises a device flag
     opt = torch.optim.AdamW(model.parameters())     # after the swap: the TE modules own new parameters
     for x in batches:
         with torch.autocast("cuda", torch.bfloat16), fp8.autocast(training=True):
             loss = model(x)
         loss.backward()
+        saturated = fp8.sentinel.take()             # > 0: skip this step (MPPlugin folds it into its verdict)
         opt.step()
         opt.zero_grad()
         fp8.weights_updated()                       # FP8 weight casts cached across micro-batches expire
