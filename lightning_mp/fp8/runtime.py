@@ -14,8 +14,9 @@ Example (a plain loop; ``MPPlugin("fp8")`` wires the same calls to Lightning's h
         with torch.autocast("cuda", torch.bfloat16), fp8.autocast(training=True):
             loss = model(x)
         loss.backward()
-        saturated = fp8.sentinel.take()             # > 0: skip this step (MPPlugin folds it into its verdict)
-        opt.step()
+        saturated = fp8.sentinel.take()             # > 0: an FP8 operand held inf/NaN (MPPlugin skips on the device)
+        if saturated is None or not saturated.item():
+            opt.step()
         opt.zero_grad()
         fp8.weights_updated()                       # FP8 weight casts cached across micro-batches expire
     torch.save({"model": model.state_dict(), "fp8": fp8.state_dict()}, "ckpt.pt")   # plain tensors only
