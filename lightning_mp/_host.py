@@ -18,21 +18,23 @@ class HostCopy:
 
     def __init__(self) -> None:
         self._host: Optional[Tensor] = None
-        self._event: Optional[Any] = None
-        self.started = False
+        self._event: Optional[Any] = None  # set once a copy went the CUDA way (into the pinned buffer)
+
+    @property
+    def started(self) -> bool:
+        return self._host is not None
 
     def start(self, tensor: Tensor) -> None:
         tensor = tensor.detach().reshape(())
         if tensor.device.type != "cuda":
             self._host, self._event = tensor.clone(), None
         else:
-            if self._host is None or self._host.dtype != tensor.dtype or not self._host.is_pinned():
+            if self._host is None or self._host.dtype != tensor.dtype or self._event is None:  # no pinned buffer yet
                 self._host = torch.empty((), dtype=tensor.dtype, pin_memory=True)
             self._host.copy_(tensor, non_blocking=True)
             if self._event is None:
                 self._event = torch.cuda.Event()
             self._event.record()
-        self.started = True
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()

@@ -255,6 +255,13 @@ def fp32_layer_norm(
 # of the fp32 sums, without the fp32 copies.
 _FUSED_LAYER_NORM: dict[str, Any] = {"fn": None, "failed": None}
 
+try:
+    from torch.utils._triton import has_triton as _has_triton  # cached by torch
+except ImportError:  # pragma: no cover - a torch without the helper
+
+    def _has_triton() -> bool:
+        return False
+
 
 def _layer_norm_fp32(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, shape: tuple) -> Tensor:
     return F.layer_norm(x.float(), shape, weight, bias, eps).to(x.dtype)
@@ -262,13 +269,7 @@ def _layer_norm_fp32(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor]
 
 def fused_layer_norm_available(x: Tensor) -> bool:
     """Whether a guarded LayerNorm on ``x`` runs as one compiled kernel (CUDA, Triton, no earlier failure)."""
-    if not x.is_cuda or _FUSED_LAYER_NORM["failed"] is not None:
-        return False
-    try:
-        from torch.utils._triton import has_triton
-    except ImportError:
-        return False
-    return has_triton()
+    return x.is_cuda and _FUSED_LAYER_NORM["failed"] is None and _has_triton()
 
 
 def _fused_layer_norm() -> Any:
@@ -296,9 +297,8 @@ class _FusedLayerNormForward:
 
 def _fused_layer_norm_forward(self: nn.LayerNorm, input: Tensor) -> Tensor:
     guard = self.__dict__.get(_GUARD_ATTR)
-    if isinstance(guard, FP32Guard) and guard._fused_next:
-        guard._fused_next = False
-        shape = tuple(self.normalized_shape)
+    if isinstance(guard, FP32Guard) and guard._open and guard._open[-1] is None:  # its pre-hook chose the kernel
+        shape = self.normalized_shape
         try:
             return _fused_layer_norm()(input, self.weight, self.bias, self.eps, shape)
         except Exception as err:  # a compiler problem must not stop training: the eager path computes the same
@@ -376,16 +376,15 @@ class FP32Guard:
     def __init__(self, keep_fp32_output: bool, fused_layer_norm: bool = False) -> None:
         self.keep_fp32_output = keep_fp32_output
         #: an ``nn.LayerNorm`` whose forward this guard replaced: outside autocast, on CUDA, a 16-bit input runs
-        #: through the compiled fp32 kernel (see :func:`fused_layer_norm_available`)
+        #: through the compiled fp32 kernel (see :func:`fused_layer_norm_available`); the pre-hook then opens no
+        #: fp32 region (``None`` on ``_open``), which tells the forward to run the kernel
         self.fused_layer_norm = fused_layer_norm
-        self._fused_next = False
         self.handles: list[Any] = []
         self._open: list[Optional[tuple[contextlib.ExitStack, Optional[torch.dtype]]]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         if self.fused_layer_norm and len(args) == 1 and not kwargs and self._fused_fits(module, args[0]):
-            self._fused_next = True  # the module's forward runs the compiled fp32 kernel on the 16-bit input
-            self._open.append(None)
+            self._open.append(None)  # the module's forward runs the compiled fp32 kernel on the 16-bit input
             return None
         low: list[torch.dtype] = []
         upcasts: dict[int, tuple[Tensor, int, Tensor, int]] = {}  # id(fp32 copy) -> (copy, version, original, version)
@@ -412,7 +411,6 @@ class FP32Guard:
             return None
         opened = self._open.pop()
         if opened is None:  # the compiled kernel ran: its output is in the input's dtype already
-            self._fused_next = False
             return None
         stack, back = opened
         stack.close()
@@ -473,7 +471,7 @@ def apply_fp32_guards(
     names = guarded_modules(module, spec)
     for name in names:
         sub = module.get_submodule(name)
-        if isinstance(sub.__dict__.get(_GUARD_ATTR), FP32Guard) and sub.__dict__[_GUARD_ATTR].handles:
+        if fp32_guard_of(sub) is not None:
             continue
         fused = type(sub).forward is nn.LayerNorm.forward
         guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub), fused_layer_norm=fused)

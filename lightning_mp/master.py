@@ -133,6 +133,11 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: Optional[torch.Ge
     return torch.where(draw < p_other, other, nearest)
 
 
+def _still_holds(param: Tensor, value: Tensor) -> bool:
+    """Whether the half parameter is still ``value`` (its fp32 original) cast: the original may seed its master."""
+    return value.shape == param.shape and bool(value.to(param.dtype).eq(param.detach().to(value.device)).all())
+
+
 class MasterWeights:
     """What keeps the precision of updates to the half-precision parameters of one or more optimizers.
 
@@ -248,12 +253,13 @@ class MasterWeights:
             return
         if skipped is None and found_inf is None:
             skipped = False
-        self._finish(optimizer, records, skipped, None if found_inf is None else found_inf.reshape(()).ne(0))
+        self._finish(optimizer, records, skipped, found_inf)
 
     def _finish(
         self, optimizer: Optimizer, records: list[Any], skipped: Optional[bool], found_inf: Optional[Tensor]
     ) -> None:
-        pass
+        """Write the half weights; ``found_inf``: the device verdict (non-zero: skipped), given when ``skipped`` is
+        ``None``."""
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``carry_grads_``, ``prepare``, ``optimizer.step``, ``finish``: one step of a plain training loop."""
@@ -333,7 +339,7 @@ class FP32MasterWeights(MasterWeights):
         master = self._masters.get(id(param))
         if master is None:
             value = self._initial.pop(id(param), None)
-            if value is None or value.shape != param.shape or value.to(param.dtype).ne(param.detach().to(value.device)).any():
+            if value is None or not _still_holds(param, value):
                 # no fp32 original, or the weight changed since it was cast
                 master = nn.Parameter(param.detach().to(torch.float32, copy=True))
             else:
@@ -454,16 +460,21 @@ class KahanCompensation(MasterWeights):
         _swap_back(optimizer, records)
         if skipped is True:
             return
+        params = [param for _, _, param, _ in records]
+        values = [value for _, _, _, value in records]
+        comps = [self._comp[id(param)] for param in params]
         with torch.no_grad():
-            for _, _, param, value in records:
-                comp = self._comp[id(param)]
+            if found_inf is None:
+                torch._foreach_copy_(params, values)  # the value rounded to half precision
+                torch._foreach_sub_(values, params)  # exact in fp32: the value and its rounding are within an ulp
+                torch._foreach_copy_(comps, values)
+                return
+            skip = found_inf.reshape(()).ne(0)  # skipped on the device: keep both as they were
+            for param, value, comp in zip(params, values, comps):
                 new = value.to(param.dtype)
-                err = value.sub_(new).to(param.dtype)  # exact in fp32: the value and its rounding are within an ulp
-                if found_inf is not None:  # skipped on the device: keep both as they were
-                    new = torch.where(found_inf, param, new)
-                    err = torch.where(found_inf, comp, err)
-                param.copy_(new)
-                comp.copy_(err)
+                err = value.sub_(new).to(param.dtype)
+                param.copy_(torch.where(skip, param, new))
+                comp.copy_(torch.where(skip, comp, err))
 
     def tensors(self) -> list[Tensor]:
         return list(self._comp.values())
@@ -530,7 +541,7 @@ class StochasticRounding(MasterWeights):
             # noise drawn for it must not count: remember the generators' states (host values, no sync) and rewind
             # them when the verdict, copied to the host without waiting, says the step was skipped
             self._pending = {k: g.get_state() for k, g in self._generators.items()}
-            self._verdict.start(found_inf)
+            self._verdict.start(found_inf.reshape(()).ne(0))
         with torch.no_grad():
             for _, _, param, value in records:
                 param.copy_(stochastic_round(value, param.dtype, self.generator(param.device)))
@@ -674,10 +685,8 @@ def seed_optimizer_masters(optimizer: Optimizer, initial: dict[int, Tensor]) -> 
     for group in optimizer.param_groups:
         for param in group["params"]:
             value = initial.get(id(param))
-            if value is None or param.dtype not in _HALF or value.shape != param.shape:
-                continue
-            if value.to(param.dtype).ne(param.detach().to(value.device)).any():
-                continue  # the weight changed since it was cast: its own value is the truth
+            if value is None or param.dtype not in _HALF or not _still_holds(param, value):
+                continue  # no fp32 original, or the weight changed since it was cast: its own value is the truth
             if not optimizer.state.get(param):
                 init(param, False)
             set_state(param, "master_param", value.to(device=param.device, dtype=torch.float32))

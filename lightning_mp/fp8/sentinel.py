@@ -32,9 +32,6 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-#: how the sentinel watches: TE's amax buffers, or hooks on the FP8 modules
-SENTINEL_MODES = ("amax", "hooks")
-
 # sentinels watching TE's delayed-scaling reductions, and the original method they wrap
 _AMAX_WATCHERS: "weakref.WeakSet[SaturationSentinel]" = weakref.WeakSet()
 _ORIGINAL_REDUCE: dict[int, Any] = {}
@@ -129,7 +126,6 @@ class SaturationSentinel:
         self._flag: Optional[Tensor] = None
         self._handles: list[Any] = []
         self._root: Optional[weakref.ref] = None
-        self.watched = 0
 
     # ------------------------------------------------------------------ set-up
     def attach(self, modules: list[nn.Module], *, delayed: bool, root: Optional[nn.Module] = None) -> str:
@@ -139,7 +135,6 @@ class SaturationSentinel:
         reductions are not watched, as no optimizer step follows them.
         """
         self.detach()
-        self.watched = len(modules)
         self._root = weakref.ref(root) if root is not None else None
         if delayed:
             manager = self._manager if self._manager is not None else _te_manager()
@@ -198,7 +193,7 @@ class SaturationSentinel:
         x = _first_tensor(args, kwargs)
         if x is not None and x.is_floating_point() and x.numel():
             with torch.no_grad():
-                self._raise(torch.linalg.vector_norm(x.detach(), math.inf).float())
+                self._raise(torch.linalg.vector_norm(x.detach(), math.inf))
         return None
 
     def _watch_output_grad(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -212,18 +207,12 @@ class SaturationSentinel:
     def _check_grad(self, grad: Tensor) -> None:
         if grad.numel():
             with torch.no_grad():
-                self._raise(torch.linalg.vector_norm(grad, math.inf).float())
+                self._raise(torch.linalg.vector_norm(grad, math.inf))
 
     # ------------------------------------------------------------------ reading
-    def peek(self) -> Optional[Tensor]:
-        """The flag as it stands (a device tensor; ``None`` before anything was checked)."""
-        return self._flag
-
     def take(self) -> Optional[Tensor]:
         """The flag since the last ``take`` (a new tensor, 0 or more), and reset it; ``None`` if nothing ran."""
         flag = self._flag
-        if flag is None:
-            return None
-        out = flag.clone()
-        flag.zero_()
-        return out
+        if flag is not None:
+            self._flag = torch.zeros_like(flag)  # one fill; the caller keeps the tensor it got
+        return flag
