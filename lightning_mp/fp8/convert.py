@@ -24,6 +24,7 @@ from torch import nn
 
 from lightning_mp.fp8.config import FP8Config
 from lightning_mp.fp8.filters import ModuleFilter, ModuleFilterFn
+from lightning_mp.guards import fp32_guard_of
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,9 @@ class ConversionReport:
             "weights": self.weights,
         }
 
-    def log(self, logger: logging.Logger = log) -> None:
-        """The summary at INFO, the full list at DEBUG."""
-        logger.info(self.summary())
+    def log(self, logger: logging.Logger = log, announce: Optional[Callable[[str], None]] = None) -> None:
+        """The summary at INFO (or to ``announce``), the full list at DEBUG."""
+        (announce or logger.info)(self.summary())
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("FP8 layer swap, module by module:\n%s", self.details())
 
@@ -209,12 +210,7 @@ def convert_to_te(
             parent_name, _, child = name.rpartition(".")
             setattr(module.get_submodule(parent_name), child, new)
         report.converted.append(ModuleRecord(fqn, kind, shape))
-    if announce is None:
-        report.log()
-    else:
-        announce(report.summary())
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug("FP8 layer swap, module by module:\n%s", report.details())
+    report.log(announce=announce)
     return report
 
 
@@ -265,16 +261,11 @@ def apply_weights_dtype(module: nn.Module, weights: str) -> nn.Module:
         raise ValueError(f"weights={weights!r} is invalid. Accepted values: {', '.join(map(repr, WEIGHT_DTYPES))}.")
     if weights == "fp32":
         return module
-    try:
-        from lightning_mp.guards import fp32_guard_of
-    except ImportError:  # the guards module is optional here
-        fp32_guard_of = None
-
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16) if t.is_floating_point() else t
 
     def visit(m: nn.Module) -> None:
-        if fp32_guard_of is not None and fp32_guard_of(m) is not None:
+        if fp32_guard_of(m) is not None:
             return
         m._apply(cast, recurse=False)
         for child in m.children():

@@ -25,6 +25,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from lightning_mp.fp8.config import FP8Config
+from lightning_mp.guards import _dotted_suffixes, fp32_guard_of
 
 ModuleFilterFn = Callable[[nn.Module, str], bool]
 
@@ -44,8 +45,7 @@ AUTO_MIN_FEATURES = 2048
 
 def _patterns_match(fqn: str, patterns: Iterable[str]) -> Optional[str]:
     """The first pattern matching ``fqn`` or one of its dotted suffixes, or ``None``."""
-    parts = fqn.split(".")
-    names = [".".join(parts[i:]) for i in range(len(parts))] if fqn else [""]
+    names = _dotted_suffixes(fqn) or [""]
     for pattern in patterns:
         if any(fnmatch.fnmatchcase(name, pattern) for name in names):
             return pattern
@@ -260,11 +260,7 @@ def _kind_problem(module: nn.Module, cfg: FP8Config) -> Optional[str]:
 
 
 def _hook_problem(module: nn.Module) -> Optional[str]:
-    try:
-        from lightning_mp.guards import fp32_guard_of
-    except ImportError:  # the guards module is optional here
-        fp32_guard_of = None
-    if fp32_guard_of is not None and fp32_guard_of(module) is not None:
+    if fp32_guard_of(module) is not None:
         return "an FP32 guard keeps it in fp32"
     kinds = [
         label

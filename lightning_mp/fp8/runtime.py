@@ -778,10 +778,10 @@ class FP8Training:
             raise ValueError(
                 f"The checkpoint's FP8 state is corrupted: expected a dict with 'recipe' and 'modules', got {state!r:.200}."
             )
-        restore, message = scaling_state_compat(state["recipe"], self.config.recipe_settings())
         if self._model is None:
-            self._pending = state
+            self._pending = state  # applied by convert()
             return
+        restore, message = scaling_state_compat(state["recipe"], self.config.recipe_settings())
         if message:
             warnings.warn(message, stacklevel=2)
         if not restore or not state.get("modules"):
