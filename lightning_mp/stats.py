@@ -66,7 +66,7 @@ class StepStats:
     @property
     def grad_norm(self) -> Optional[float]:
         """The unscaled gradient norm of the last step, when gradient clipping by norm computed it."""
-        return None if self._grad_norm is None else float(self._grad_norm.item())
+        return None if self._grad_norm is None else self._grad_norm.item()
 
     def as_dict(self) -> dict[str, Any]:
         """All figures at once (one host copy)."""
@@ -75,20 +75,26 @@ class StepStats:
         if counters is None:
             steps, skipped_steps, consecutive, last = (scaler._counters_now() if scaler is not None else [0, 0, 0, 0])
             scale = None if scaler is None or not scaler.scaling else scaler.get_scale()
+            grad_norm = self.grad_norm
         else:
             parts = [counters.double()]
             if scaler.scaling:
                 parts.append(scaler._get_scale_async().double().reshape(1))
+            norm = self._grad_norm
+            norm_along = norm is not None and norm.device == counters.device
+            if norm_along:  # the same host copy
+                parts.append(norm.detach().double().reshape(1))
             values = torch.cat(parts).tolist()
             steps, skipped_steps, consecutive, last = (int(v) for v in values[:4])
             scale = values[4] if scaler.scaling else None
+            grad_norm = values[-1] if norm_along else self.grad_norm
         return {
             "steps": steps,
             "skipped_steps": skipped_steps,
             "consecutive_skips": consecutive,
             "skipped": bool(scaler.last_skipped_host) if scaler is not None and scaler.last_skipped_host is not None else bool(last),
             "loss_scale": scale,
-            "grad_norm": self.grad_norm,
+            "grad_norm": grad_norm,
         }
 
     def __repr__(self) -> str:

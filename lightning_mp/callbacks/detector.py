@@ -41,6 +41,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_mp.callbacks._tensors import _floating_tensors, _local
 from lightning_mp.stats import NonFiniteTrainingError, StepStats
 
 ACTIONS = ("raise", "warn", "skip")
@@ -252,7 +253,7 @@ class NonFiniteDetector(Callback):
         self._record = rec
         self._produced.clear()
         self._grad_hooked.clear()
-        batch_tensors = _floating_tensors(batch)
+        batch_tensors = _floating_tensors(batch, skip_sparse=True)
         for k, t in enumerate(batch_tensors):
             slot = rec.push_fwd(t, ("batch", -1, k))
             self._produced[id(t)] = (weakref.ref(t), slot)
@@ -266,7 +267,7 @@ class NonFiniteDetector(Callback):
                 return
             call = len(rec.calls)
             inputs = []
-            for k, t in enumerate(_floating_tensors(args)):
+            for k, t in enumerate(_floating_tensors(args, skip_sparse=True)):
                 slot = self._slot_of(t)
                 if slot is None and self.track_inputs:
                     slot = rec.push_fwd(t, ("input", call, k))
@@ -274,14 +275,14 @@ class NonFiniteDetector(Callback):
                     self._watch_grad(rec, t, ("input", call, k))
                 inputs.append((tuple(t.shape), t.dtype, slot))
             outputs = []
-            for k, t in enumerate(_floating_tensors(output)):
+            for k, t in enumerate(_floating_tensors(output, skip_sparse=True)):
                 slot = rec.push_fwd(t, ("output", call, k))
                 self._produced[id(t)] = (weakref.ref(t), slot)
                 self._watch_grad(rec, t, ("output", call, k))
                 outputs.append((tuple(t.shape), t.dtype, slot))
             rec.calls.append((index, inputs, outputs))
             if self.dump_dir is not None:
-                held = [t for t in _floating_tensors(args)]
+                held = [t for t in _floating_tensors(args, skip_sparse=True)]
                 rec.held[call] = [(t, t._version) for t in held]
 
         return hook
@@ -334,7 +335,7 @@ class NonFiniteDetector(Callback):
             rec.par_names.extend(n for n, _ in entries)
         rec.par_values.extend(maxima)
         scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if maxima and hasattr(scaler, "record_check_from_"):
+        if maxima and hasattr(scaler, "record_check_from_") and not scaler.scaling:
             # MPPlugin without loss scaling checks every gradient for inf/NaN after this hook: this pass has
             # just read them all, so it gives the verdict and the plugin skips its own pass
             devices = {m.device for m in maxima}
@@ -716,12 +717,6 @@ def _extremes(t: Tensor) -> tuple[Tensor, Tensor]:
         return torch.aminmax(_local(t.detach()))
 
 
-def _local(t: Tensor) -> Tensor:
-    """This rank's shard of a DTensor (FSDP2, tensor parallelism): reductions on it stay local, no collective."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 def _stack(values: list[tuple[Tensor, Tensor]], device: Optional[torch.device] = None) -> Tensor:
     """Largest |value| per recorded tensor, as one float32 vector (NaN where a tensor held a NaN)."""
     device = device or values[0][0].device
@@ -739,16 +734,6 @@ def _absmax_each(grads: list[Tensor]) -> Tensor:
             except (AttributeError, RuntimeError):
                 pass
         return _stack([torch.aminmax(g) for g in grads])
-
-
-def _floating_tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value] if value.is_floating_point() and value.numel() > 0 and not value.is_sparse else []
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _floating_tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _floating_tensors(v)]
-    return []
 
 
 def _signature(report: NonFiniteReport) -> tuple:

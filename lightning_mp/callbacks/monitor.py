@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_mp.callbacks._tensors import _floating_tensors, _local
 from lightning_mp.stats import StepStats
 
 #: largest finite fp16 value and smallest positive normal fp16 value
@@ -231,8 +232,8 @@ class PrecisionMonitor(Callback):
         if not self._logging_step:
             return
         # gradient figures of the logging step: one norm pass, and per layer one pass per statistic
-        seen_scale = scaler.get_scale() if still_scaled else 1.0
         scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+        seen_scale = scale if still_scaled else 1.0  # (still_scaled implies an enabled scaler)
         self._grad_scale_used = scale
         grads = [_local(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         grads = [g for g in grads if g.numel() > 0]
@@ -430,28 +431,12 @@ def _mp_stats(trainer: Trainer) -> Optional[StepStats]:
     return stats if isinstance(stats, StepStats) else None
 
 
-def _floating_tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value] if value.is_floating_point() and value.numel() > 0 else []
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _floating_tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _floating_tensors(v)]
-    return []
-
-
 def _total_norm(grads: list[Tensor]) -> Tensor:
     with torch.no_grad():
         get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
         if get_total_norm is not None:
             return get_total_norm(grads, 2.0).float()
         return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g).float() for g in grads]))
-
-
-def _local(t: Tensor) -> Tensor:
-    """This rank's shard of a DTensor (FSDP2, tensor parallelism): reductions on it stay local, no collective."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _grads_are_sharded(trainer: Trainer) -> bool:

@@ -14,7 +14,6 @@ plugin back into the saved mode first; ``MPPlugin`` then loads its own state int
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from typing import Any, Literal, Optional
 
@@ -26,7 +25,6 @@ from typing_extensions import override
 from lightning_mp.modes import AUTO, MODES, PLANNED, parse_precision, resolve_mode
 from lightning_mp.plugin import MPPlugin
 
-log = logging.getLogger(__name__)
 
 INTERVALS = ("step", "epoch")
 
@@ -175,7 +173,7 @@ class PrecisionSchedule(Callback):
             self.mode = plugin.mode.name  # the plugin is the truth, whoever switched it
         if self.mode in self.fallback:
             self._observe_skips(plugin, step)
-            recent = sum(1 for s in self._skips if s > step - self.window)
+            recent = len(self._skips)  # all within the window (see _observe_skips)
             if recent >= self.max_skips:
                 target = self.fallback[self.mode]
                 self.abandoned.add(self.mode)
@@ -229,6 +227,8 @@ class PrecisionSchedule(Callback):
             rank_zero_info(message)
 
     def _observe_skips(self, plugin: MPPlugin, step: int) -> None:
+        while self._skips and self._skips[0] <= step - self.window:
+            self._skips.popleft()  # what is left are the skips within the window
         scaler = plugin.scaler
         if scaler is None:
             return  # this mode runs without the inf/NaN guard: nothing is skipped
@@ -241,8 +241,6 @@ class PrecisionSchedule(Callback):
             if self._counted_skips is not None and total > self._counted_skips:
                 self._skips.extend([step] * (total - self._counted_skips))
             self._counted_skips = total
-        while self._skips and self._skips[0] <= step - self.window:
-            self._skips.popleft()
 
     def _require_plugin(self, trainer: Trainer) -> MPPlugin:
         plugin = trainer.precision_plugin
