@@ -25,7 +25,6 @@ from typing_extensions import override
 from lightning_mp.modes import AUTO, MODES, PLANNED, parse_precision, resolve_mode
 from lightning_mp.plugin import MPPlugin
 
-
 INTERVALS = ("step", "epoch")
 
 
