@@ -70,26 +70,12 @@ def make_callbacks(variant: str) -> list:
 
 
 def run_variant(args: argparse.Namespace, variant: str, batches: list[torch.Tensor], log_dir: str) -> dict[str, Any]:
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch import Trainer
     from lightning.pytorch.loggers import CSVLogger
 
     from lightning_mp import MPPlugin
 
     probe = bench_overhead.StepProbe(args.warmup, args.steps, args.sync_steps)
-
-    class LitGPT(LightningModule):
-        def __init__(self, model: torch.nn.Module) -> None:
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch, batch_idx):
-            return self.model(batch)
-
-        def configure_optimizers(self):
-            return bench_overhead.make_optimizer(self.parameters(), args.lr)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
 
     callbacks = make_callbacks(variant)
     model = bench_overhead.build_model(args)
@@ -109,7 +95,7 @@ def run_variant(args: argparse.Namespace, variant: str, batches: list[torch.Tens
         plugins=[MPPlugin("bf16")],
     )
     try:
-        trainer.fit(LitGPT(model))
+        trainer.fit(bench_overhead.lit_gpt(model, batches, lambda params: bench_overhead.make_optimizer(params, args.lr)))
     finally:
         probe.close_sync_window()
     row = probe.results()

@@ -56,9 +56,11 @@ from bench_overhead import (  # noqa: E402
     build_model,
     count_params,
     fmt,
+    lit_gpt,
     make_batches,
     make_optimizer,
     quiet_lightning,
+    te_fused_adam,
     weights_fingerprint,
 )
 
@@ -138,32 +140,13 @@ def fp8_linear_share(model: nn.Module) -> float:
 
 
 def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -> dict[str, Any]:
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch import Trainer
 
     from lightning_mp import MPPlugin
 
     probe = StepProbe(args.warmup, args.steps, 0)
-
-    class LitGPT(LightningModule):
-        def __init__(self, model: nn.Module) -> None:
-            super().__init__()
-            self.model = model
-            self.last_loss: Optional[torch.Tensor] = None
-
-        def training_step(self, batch, batch_idx):
-            loss = self.model(batch)
-            self.last_loss = loss.detach()
-            return loss
-
-        def configure_optimizers(self):
-            if mode.endswith("-teadam"):  # the fp32 masters kept by Transformer Engine's FusedAdam
-                from transformer_engine.pytorch.optimizers import FusedAdam
-
-                return FusedAdam(self.parameters(), lr=args.lr, master_weights=True)
-            return make_optimizer(self.parameters(), args.lr)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+    # -teadam: the fp32 masters kept by Transformer Engine's FusedAdam
+    optimizer = te_fused_adam if mode.endswith("-teadam") else make_optimizer
 
     kwargs: dict[str, Any] = {}
     plugin = None
@@ -180,7 +163,7 @@ def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -
 
     model = build_model(args)
     fingerprint = weights_fingerprint(model)
-    module = LitGPT(model)
+    module = lit_gpt(model, batches, lambda params: optimizer(params, args.lr))
     trainer = Trainer(
         accelerator=ACCELERATOR,
         devices=1,

@@ -72,7 +72,7 @@ import sys
 import time
 import traceback
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -189,6 +189,38 @@ def init_gpt_weights(model: nn.Module) -> nn.Module:
 
 def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, fused=True)
+
+
+def te_fused_adam(params, lr: float) -> torch.optim.Optimizer:
+    """Transformer Engine's FusedAdam keeping the fp32 masters itself (MPPlugin: ``master_weights="optimizer"``)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    return FusedAdam(params, lr=lr, master_weights=True)
+
+
+def lit_gpt(model: nn.Module, batches: list, configure_optimizers: Callable[[Any], Any]) -> Any:
+    """``model`` (returning its loss) as a LightningModule: ``batches`` in order, ``configure_optimizers(params)``,
+    and the last loss kept on the device in ``.last_loss`` (read after training: no sync per step)."""
+    from lightning.pytorch import LightningModule
+
+    class LitGPT(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+            self.last_loss: Optional[torch.Tensor] = None
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(batch)
+            self.last_loss = loss.detach()
+            return loss
+
+        def configure_optimizers(self):
+            return configure_optimizers(self.parameters())
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+
+    return LitGPT()
 
 
 def weights_fingerprint(model: nn.Module) -> float:
@@ -309,33 +341,17 @@ def run_plain(
 def run_lightning(
     args: argparse.Namespace, batches: list[torch.Tensor], probe: StepProbe, mode: str
 ) -> dict[str, Any]:
-    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch import Trainer
 
-    class LitGPT(LightningModule):
-        def __init__(self, model: GPT) -> None:
-            super().__init__()
-            self.model = model
-            self.last_loss: Optional[torch.Tensor] = None
-
-        def training_step(self, batch, batch_idx):
-            loss = self.model(batch)
-            self.last_loss = loss.detach()
-            return loss
-
-        def configure_optimizers(self):
-            if te_adam:  # Transformer Engine's FusedAdam keeps the fp32 masters (master_weights="optimizer")
-                from transformer_engine.pytorch.optimizers import FusedAdam
-
-                return FusedAdam(self.parameters(), lr=args.lr, master_weights=True)
-            opt = make_optimizer(self.parameters(), args.lr)
-            if not with_scheduler:
-                return opt
-            # a constant step-interval schedule: measures what holding schedulers on skipped steps costs
-            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
+    def configure_optimizers(params):
+        if te_adam:
+            return te_fused_adam(params, args.lr)
+        opt = make_optimizer(params, args.lr)
+        if not with_scheduler:
+            return opt
+        # a constant step-interval schedule: measures what holding schedulers on skipped steps costs
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     te_adam = mode.endswith("-teadam")
     mode = mode.removesuffix("-teadam")
@@ -369,7 +385,7 @@ def run_lightning(
 
     model = build_model(args)
     fingerprint = weights_fingerprint(model)
-    module = LitGPT(model)
+    module = lit_gpt(model, batches, configure_optimizers)
     trainer = Trainer(
         accelerator="gpu",
         devices=1,

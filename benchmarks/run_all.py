@@ -42,7 +42,7 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(_HERE))  # the repository root: examples/ (the VLM)
-from bench_overhead import GPT, init_gpt_weights  # noqa: E402  the core benchmark's model
+from bench_overhead import GPT, init_gpt_weights, lit_gpt  # noqa: E402  the core benchmark's model
 
 from lightning_mp.compare import ModeResult, _PeakMemory, parse_mode, run_mode  # noqa: E402
 
@@ -245,23 +245,7 @@ def make_optimizer(params, lr: float, device: str) -> torch.optim.Optimizer:
 
 
 def lightning_module(model: nn.Module, batches: list, lr: float, device: str):
-    from lightning.pytorch import LightningModule
-
-    class Lit(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def training_step(self, batch, batch_idx):
-            return self.model(batch)
-
-        def configure_optimizers(self):
-            return make_optimizer(self.parameters(), lr, device)
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
-
-    return Lit()
+    return lit_gpt(model, batches, lambda params: make_optimizer(params, lr, device))
 
 
 def _final_loss(losses: list[float]) -> float:
