@@ -153,22 +153,20 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
+    def step_row(name: str, dtype: torch.dtype, make_optimizer: Callable[[list], Any], note: str) -> None:
+        """One optimizer's step alone, on fresh parameters and gradients (freed when this returns)."""
+        params, grads = make_params(shapes, dtype, device)
+        opt = make_optimizer(params)
+        set_grads(params, grads)
+        row(name, timer(opt.step, args.warmup, args.steps), state_bytes(opt), note)
+
     print(f"{n / 1e9:.3f} B parameters in {len(shapes)} tensors on {device}", flush=True)
 
     # Lightning's bf16-true: bf16 parameters, bf16 AdamW state
-    params, grads = make_params(shapes, torch.bfloat16, device)
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
-    set_grads(params, grads)
-    row("torch-adamw-bf16", timer(opt.step, args.warmup, args.steps), state_bytes(opt), "Lightning bf16-true")
-    del params, grads, opt
+    step_row("torch-adamw-bf16", torch.bfloat16, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=fused), "Lightning bf16-true")
     cleanup()
-
     # bf16 autocast: fp32 parameters and gradients
-    params, grads = make_params(shapes, torch.float32, device)
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
-    set_grads(params, grads)
-    row("torch-adamw-fp32", timer(opt.step, args.warmup, args.steps), state_bytes(opt), "bf16 autocast")
-    del params, grads, opt
+    step_row("torch-adamw-fp32", torch.float32, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=fused), "bf16 autocast")
     cleanup()
 
     # MPPlugin's fp32 masters, whole and in parts (in a function: its tensors go when it returns)
@@ -182,11 +180,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         FusedAdam = None
     if FusedAdam is not None and device.type == "cuda":
         for name, remainders in (("te-fusedadam-masters", False), ("te-fusedadam-remainders", True)):
-            params, grads = make_params(shapes, torch.bfloat16, device)
-            opt = FusedAdam(params, lr=1e-4, adam_w_mode=True, master_weights=True, store_param_remainders=remainders)
-            set_grads(params, grads)
-            row(name, timer(opt.step, args.warmup, args.steps), state_bytes(opt), "one kernel: bf16 grads in")
-            del params, grads, opt
+            step_row(
+                name,
+                torch.bfloat16,
+                lambda p: FusedAdam(p, lr=1e-4, adam_w_mode=True, master_weights=True, store_param_remainders=remainders),
+                "one kernel: bf16 grads in",
+            )
             cleanup()
     else:
         print("transformer_engine not importable (or not on CUDA): TE FusedAdam rows left out", flush=True)
