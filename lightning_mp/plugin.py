@@ -514,10 +514,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         """An optimizer that keeps fp32 masters of parameters that are fp32 already holds a second fp32 copy."""
         for opt in optimizers:
             raw = getattr(opt, "_optimizer", opt)
-            if not keeps_own_masters(raw):
-                continue
-            fp32 = [p for g in raw.param_groups for p in g["params"] if isinstance(p, Tensor) and p.dtype == torch.float32]
-            if fp32 and len(fp32) == sum(len(g["params"]) for g in raw.param_groups):
+            params = [p for g in raw.param_groups for p in g["params"]]
+            if keeps_own_masters(raw) and params and all(p.dtype == torch.float32 for p in params):
                 mode = self.mode.name if self.mode is not None else self._requested
                 way = (
                     "fp8={'weights': 'bf16'} (the optimizer's masters are then the fp32 copy)"
