@@ -37,6 +37,8 @@ import pkgutil
 import re
 import sys
 import typing
+
+import torch
 from argparse import ArgumentError
 from typing import Any, Literal, Optional, Union
 
@@ -419,6 +421,8 @@ def _is_plain(tp: Any) -> bool:
         return all(_is_plain(a) for a in args)
     if origin in (list, tuple, dict):
         return all(a is Ellipsis or _is_plain(a) for a in args)
+    if isinstance(tp, type) and issubclass(tp, torch.amp.GradScaler):
+        return True  # MixedPrecision's own scaler argument: class_path + init_args in YAML, as Lightning's
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):  # a nested mapping in YAML, field by field
         try:
             return all(_is_plain(t) for t in typing.get_type_hints(tp).values())

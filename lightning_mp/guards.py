@@ -26,8 +26,23 @@ Selection (``fp32_modules``) is a list of
 
 Rule for outputs (modules and the ``fp32_*`` functions alike): under autocast they stay fp32, as autocast's own
 fp32 operations return; without autocast (true-half modes) they go back to the 16-bit dtype the inputs came in,
-so the next half-precision layer receives what it expects. Guarded loss modules (a class name ending in ``Loss``;
-the defaults guard torch's own, subclasses of ``torch.nn.modules.loss._Loss``) keep fp32 outputs always: a loss feeds backward and logging, not a half-precision layer.
+so the next half-precision layer receives what it expects. A guarded module without 16-bit inputs (an
+``nn.Embedding`` takes integer indices) hands back the model's compute dtype instead: the default dtype when the
+module is called, which MPPlugin's forward context makes the half dtype in true-half modes (in a plain fp32 model
+the output stays fp32). Guarded loss modules (a class name ending in ``Loss``; the defaults guard torch's own,
+subclasses of ``torch.nn.modules.loss._Loss``) keep fp32 outputs always: a loss feeds backward and logging, not a
+half-precision layer.
+
+Inference: under ``torch.inference_mode()`` or ``torch.no_grad()`` nothing is saved for backward, so the guards
+only switch dtypes there (see :class:`FP32Guard` for what they save otherwise).
+
+``torch.compile``: while dynamo traces (``torch.compiler.is_compiling()``), guards and the ``fp32_*`` functions
+compute the same values with what dynamo can put in one graph: explicit ``.float()`` upcasts and ``.to(dtype)``
+downcasts, ``with torch.autocast(device, enabled=False)`` blocks around the guarded forward. Two eager-only parts
+are skipped there: the default dtype stays as it is inside the fp32 region (it only matters for tensors a guarded
+forward creates without a dtype; dynamo puts ``torch.set_default_dtype`` in the graph, but AOTAutograd does not
+apply it to what the graph creates, so the result would depend on the backend), and the saved-activation memory
+trick (saved-tensor hooks, which dynamo does not trace; the compiler chooses what backward keeps).
 """
 
 from __future__ import annotations
@@ -163,6 +178,30 @@ def _autocast_enabled() -> bool:
     return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
 
 
+_is_compiling = getattr(torch.compiler, "is_compiling", None)
+
+
+def _compiling() -> bool:
+    """Whether dynamo is tracing this code (``torch.compile``): the guards take their graph-friendly path."""
+    return _is_compiling is not None and _is_compiling()
+
+
+def _autocast_devices() -> tuple[str, ...]:
+    """The devices autocast is on for."""
+    devices: tuple[str, ...] = ()
+    for device in _AUTOCAST_DEVICES:
+        if torch.is_autocast_enabled(device):
+            devices = devices + (device,)
+    return devices
+
+
+# While dynamo traces, autocast is switched off only by plain ``with torch.autocast(device, enabled=False)`` blocks:
+# dynamo can neither enter one in a pre-hook and leave it in a forward hook (``__enter__`` called by hand), nor
+# trace an ExitStack of them, nor restore ``torch.set_autocast_enabled`` calls correctly when an autocast block
+# inside the compiled function encloses them (its end-of-trace restore undoes the block's exit); and AOTAutograd
+# drops such a call at run time, so after a graph break the eager rest would run with autocast on.
+
+
 @contextlib.contextmanager
 def fp32_region() -> Iterator[None]:
     """A block of code that runs in fp32: autocast off (on every device) and fp32 as the default dtype.
@@ -175,6 +214,20 @@ def fp32_region() -> Iterator[None]:
             logits = router(x.float())          # fp32 matmul even under bf16 autocast
             probs = logits.softmax(-1)
     """
+    if _compiling():  # autocast off only (see the module docstring), in plain with-blocks
+        devices = _autocast_devices()
+        if "cpu" in devices and "cuda" in devices:
+            with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+                yield
+        elif "cpu" in devices:
+            with torch.autocast("cpu", enabled=False):
+                yield
+        elif "cuda" in devices:
+            with torch.autocast("cuda", enabled=False):
+                yield
+        else:
+            yield
+        return
     with contextlib.ExitStack() as stack:
         for device in _AUTOCAST_DEVICES:
             if torch.is_autocast_enabled(device):
@@ -239,12 +292,15 @@ def fp32_layer_norm(
     out = _result_dtype(x, dtype)
     shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
     up = _up(x)
+    weight = None if weight is None else weight.float()
+    bias = None if bias is None else bias.float()
+    if up is x or not _saving_for_backward() or x.is_inference():
+        with fp32_region():
+            return F.layer_norm(up, shape, weight, bias, eps).to(out)
     with fp32_region(), contextlib.ExitStack() as stack:
-        if up is not x:  # backward keeps the 16-bit input, not its fp32 copy (the same values): see FP32Guard
-            _keep_originals(stack, {id(up): (up, up._version, x, x._version)})
-        return F.layer_norm(
-            up, shape, None if weight is None else weight.float(), None if bias is None else bias.float(), eps
-        ).to(out)
+        # backward keeps the 16-bit input, not its fp32 copy (the same values): see FP32Guard
+        _keep_originals(stack, {id(up): (up, up._version, x, x._version)})
+        return F.layer_norm(up, shape, weight, bias, eps).to(out)
 
 
 # --------------------------------------------------------------------------------------------- fused LayerNorm
@@ -279,37 +335,69 @@ def _fused_layer_norm() -> Any:
     return fn
 
 
-class _FusedLayerNormForward:
-    """The forward of a guarded ``nn.LayerNorm``: the compiled kernel when its guard's pre-hook chose it, else its own.
+def _fused_layer_norm_forward(self: nn.LayerNorm, input: Tensor) -> Tensor:
+    """The compiled fp32 LayerNorm kernel on a 16-bit input (its guard's pre-hook chose it)."""
+    shape = self.normalized_shape
+    try:
+        return _fused_layer_norm()(input, self.weight, self.bias, self.eps, shape)
+    except Exception as err:  # a compiler problem must not stop training: the eager path computes the same
+        _FUSED_LAYER_NORM["failed"] = f"{type(err).__name__}: {err}"
+        warnings.warn(
+            f"lightning_mp: the compiled fp32 LayerNorm guard failed ({_FUSED_LAYER_NORM['failed']:.200}); guarded"
+            " LayerNorms use the eager upcast from now on (same values, more memory traffic).",
+            stacklevel=2,
+        )
+        return _layer_norm_fp32(input, self.weight, self.bias, self.eps, shape)
+
+
+class _GuardedForward:
+    """The forward of a guarded module: its own forward, run as its guard's pre-hook prepared.
+
+    * eager: the pre-hook opened the fp32 region already; the module's forward runs as is, or, for an
+      ``nn.LayerNorm`` whose pre-hook chose it, the compiled fp32 kernel on the 16-bit input;
+    * dynamo tracing (``torch.compile``): the module's forward runs inside ``torch.autocast(device,
+      enabled=False)`` blocks for the devices the pre-hook found autocast on for: the one way to switch autocast
+      off that dynamo keeps right in one graph, across a graph break inside the forward (it re-enters the block
+      around the eager rest) and inside an autocast block of the compiled function.
 
     An object (not a bound method) in the module's ``__dict__``, so pickled and deep-copied models keep it, bound
-    to their own copy of the module.
+    to their own copy of the module. ``inner``: a forward the instance had before it was guarded (else its class's).
     """
 
-    __slots__ = ("module",)
+    __slots__ = ("module", "inner")
 
-    def __init__(self, module: nn.LayerNorm) -> None:
+    def __init__(self, module: nn.Module, inner: Any = None) -> None:
         self.module = module
+        self.inner = inner
 
-    def __call__(self, input: Tensor) -> Tensor:
-        return _fused_layer_norm_forward(self.module, input)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _guarded_forward(self.module, getattr(self, "inner", None), args, kwargs)
 
 
-def _fused_layer_norm_forward(self: nn.LayerNorm, input: Tensor) -> Tensor:
-    guard = self.__dict__.get(_GUARD_ATTR)
-    if isinstance(guard, FP32Guard) and guard._open and guard._open[-1] is None:  # its pre-hook chose the kernel
-        shape = self.normalized_shape
-        try:
-            return _fused_layer_norm()(input, self.weight, self.bias, self.eps, shape)
-        except Exception as err:  # a compiler problem must not stop training: the eager path computes the same
-            _FUSED_LAYER_NORM["failed"] = f"{type(err).__name__}: {err}"
-            warnings.warn(
-                f"lightning_mp: the compiled fp32 LayerNorm guard failed ({_FUSED_LAYER_NORM['failed']:.200}); guarded"
-                " LayerNorms use the eager upcast from now on (same values, more memory traffic).",
-                stacklevel=2,
-            )
-            return _layer_norm_fp32(input, self.weight, self.bias, self.eps, shape)
-    return nn.LayerNorm.forward(self, input)
+_FusedLayerNormForward = _GuardedForward  # its earlier name: models pickled with it still load
+
+
+def _guarded_forward(module: nn.Module, inner: Any, args: tuple, kwargs: dict) -> Any:
+    guard = module.__dict__.get(_GUARD_ATTR)
+    opened = guard._open[-1] if isinstance(guard, FP32Guard) and guard._open else ()
+    if opened is None:  # its pre-hook chose the compiled LayerNorm kernel
+        return _fused_layer_norm_forward(module, *args, **kwargs)  # type: ignore[arg-type]
+    devices = opened[1] if opened else ()
+    if not devices:  # eager (the fp32 region is open already), or no autocast to switch off
+        return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+
+    def forward() -> Any:
+        return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+
+    # plain with-blocks, one per device (dynamo keeps a with-block across a graph break, not a loop of them)
+    if "cpu" in devices and "cuda" in devices:
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return forward()
+    if "cpu" in devices:
+        with torch.autocast("cpu", enabled=False):
+            return forward()
+    with torch.autocast("cuda", enabled=False):
+        return forward()
 
 
 # --------------------------------------------------------------------------------------------- module guards
@@ -348,6 +436,17 @@ def _save_originals(upcasts: dict[int, tuple[Tensor, int, Tensor, int]]) -> tupl
     return pack, unpack
 
 
+def _saving_for_backward() -> bool:
+    """Whether the saved-activation trick applies here: autograd records (grad on, not inference mode), eager
+    (not dynamo tracing) and no other saved-tensor hooks in force."""
+    return (
+        not _compiling()  # first: dynamo does not trace is_inference_mode_enabled
+        and torch.is_grad_enabled()
+        and not torch.is_inference_mode_enabled()
+        and not _saved_tensor_hooks_active()
+    )
+
+
 def _saved_tensor_hooks_active() -> bool:
     """Whether saved-tensor hooks (activation checkpointing, CPU offloading) are already in force here."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -370,41 +469,80 @@ class FP32Guard:
     16-bit original, not as the fp32 copy, and upcast again in backward. The values are the same bit for bit
     (the copy was made from them), so gradients do not change; the saved activation takes half the memory.
     (Not done where other saved-tensor hooks are active, e.g. activation checkpointing or CPU offloading: they
-    take precedence.)
+    take precedence; nor where nothing is saved, under ``torch.no_grad()`` or ``torch.inference_mode()``, whose
+    tensors have no version counter to check.)
+
+    Without a 16-bit input (an ``nn.Embedding``), outputs go back to the default dtype read in the pre-hook, the
+    model's compute dtype in true-half modes (see the module docstring).
+
+    Under ``torch.compile`` (dynamo tracing) the pre-hook upcasts with ``.float()``, the module's forward runs in
+    ``torch.autocast(device, enabled=False)`` blocks (see :class:`_GuardedForward`), the forward hook downcasts:
+    the same values, no graph breaks. Not there: saved-tensor hooks, the default-dtype switch, the separately
+    compiled LayerNorm, and autocast off for other pre-hooks and forward hooks of the module (only its forward).
     """
 
     def __init__(self, keep_fp32_output: bool, fused_layer_norm: bool = False) -> None:
         self.keep_fp32_output = keep_fp32_output
-        #: an ``nn.LayerNorm`` whose forward this guard replaced: outside autocast, on CUDA, a 16-bit input runs
+        #: a plain ``nn.LayerNorm`` (its class's forward): outside autocast, on CUDA, a 16-bit input runs
         #: through the compiled fp32 kernel (see :func:`fused_layer_norm_available`); the pre-hook then opens no
         #: fp32 region (``None`` on ``_open``), which tells the forward to run the kernel
         self.fused_layer_norm = fused_layer_norm
         self.handles: list[Any] = []
-        self._open: list[Optional[tuple[contextlib.ExitStack, Optional[torch.dtype]]]] = []
+        #: one entry per open call: ``None`` (the compiled LayerNorm kernel runs), ``(ExitStack, (), back)`` (eager
+        #: fp32 region) or ``(None, devices, back)`` (dynamo tracing: the forward runs with autocast off on ``devices``)
+        self._open: list[Optional[tuple[Optional[contextlib.ExitStack], tuple[str, ...], Optional[torch.dtype]]]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        default = torch.get_default_dtype()  # the model's compute dtype (before the fp32 region makes it fp32)
+        if _compiling():
+            return self._before_compiling(args, kwargs, default)
         if self.fused_layer_norm and len(args) == 1 and not kwargs and self._fused_fits(module, args[0]):
             self._open.append(None)  # the module's forward runs the compiled fp32 kernel on the 16-bit input
             return None
         low: list[torch.dtype] = []
         upcasts: dict[int, tuple[Tensor, int, Tensor, int]] = {}  # id(fp32 copy) -> (copy, version, original, version)
+        saving = _saving_for_backward()  # inference tensors (inference mode) have no version counter
 
         def up(t: Tensor) -> Tensor:
             if t.dtype in _LOW:
                 low.append(t.dtype)
                 copy = t.float()
-                upcasts[id(copy)] = (copy, copy._version, t, t._version)
+                if saving and not t.is_inference():
+                    upcasts[id(copy)] = (copy, copy._version, t, t._version)
                 return copy
             return t
 
         args, kwargs = tree_map_only(Tensor, up, (args, kwargs))
-        back = None if (self.keep_fp32_output or not low or _autocast_enabled()) else low[0]
+        back = self._output_dtype(low, default)
         stack = contextlib.ExitStack()
         stack.enter_context(fp32_region())
         if upcasts:
             _keep_originals(stack, upcasts)
-        self._open.append((stack, back))
+        self._open.append((stack, (), back))
         return args, kwargs
+
+    def _before_compiling(self, args: tuple, kwargs: dict, default: torch.dtype) -> tuple[tuple, dict]:
+        """The pre-hook as dynamo traces it: plain upcasts; :class:`_GuardedForward` turns autocast off."""
+        low: list[torch.dtype] = []
+
+        def up(t: Tensor) -> Tensor:
+            if t.dtype in _LOW:
+                low.append(t.dtype)
+                return t.float()
+            return t
+
+        args, kwargs = tree_map_only(Tensor, up, (args, kwargs))
+        back = self._output_dtype(low, default)
+        self._open.append((None, _autocast_devices(), back))  # the forward runs with autocast off on these
+        return args, kwargs
+
+    def _output_dtype(self, low: list[torch.dtype], default: torch.dtype) -> Optional[torch.dtype]:
+        """The dtype fp32 outputs go back to (``None``: they stay fp32); read before autocast is switched off."""
+        if self.keep_fp32_output or _autocast_enabled():
+            return None
+        if low:
+            return low[0]  # the 16-bit dtype the inputs came in
+        return default if default in _LOW else None  # no 16-bit input (integer indices): the model's dtype
 
     def after(self, module: nn.Module, args: tuple, output: Any) -> Any:
         if not self._open:
@@ -412,8 +550,9 @@ class FP32Guard:
         opened = self._open.pop()
         if opened is None:  # the compiled kernel ran: its output is in the input's dtype already
             return None
-        stack, back = opened
-        stack.close()
+        stack, _, back = opened
+        if stack is not None:
+            stack.close()
         if back is None or output is None:
             return None
         return tree_map_only(Tensor, lambda t: t.to(back) if t.dtype == torch.float32 else t, output)
@@ -472,11 +611,13 @@ def apply_fp32_guards(
     for name in names:
         sub = module.get_submodule(name)
         if fp32_guard_of(sub) is not None:
+            if not isinstance(sub.__dict__.get("forward"), _GuardedForward):  # pickled before every guard had one
+                sub.forward = _GuardedForward(sub, sub.__dict__.get("forward"))
             continue
-        fused = type(sub).forward is nn.LayerNorm.forward
+        inner = sub.__dict__.get("forward")  # a forward set on the instance: called by the guarded one
+        fused = inner is None and type(sub).forward is nn.LayerNorm.forward
         guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub), fused_layer_norm=fused)
-        if fused:
-            sub.forward = _FusedLayerNormForward(sub)
+        sub.forward = _GuardedForward(sub, inner)
         # both first in line: other pre-hooks run inside the fp32 region on fp32 inputs, and other forward
         # hooks see the output as the next layer receives it
         guard.handles = [
@@ -494,8 +635,13 @@ def remove_fp32_guards(module: nn.Module) -> list[str]:
         guard = sub.__dict__.pop(_GUARD_ATTR, None)
         if isinstance(guard, FP32Guard):
             guard.remove()
-            if guard.fused_layer_norm:
-                sub.__dict__.pop("forward", None)
+            forward = sub.__dict__.get("forward")
+            if isinstance(forward, _GuardedForward):
+                inner = getattr(forward, "inner", None)
+                if inner is None:
+                    del sub.__dict__["forward"]
+                else:
+                    sub.__dict__["forward"] = inner
             removed.append(name)
     return removed
 

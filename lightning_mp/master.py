@@ -5,8 +5,7 @@ written into the weight. Four ways to deal with it, chosen with ``MPPlugin(maste
 
 ==============  =====================================================================  ==================
 ``"fp32"``      fp32 master copies: the optimizer steps the masters (its state is fp32),  2 + 4 bytes/param
-                the half weights are refreshed from them after each step; gradients are
-                carried into fp32 after every backward (micro-batches accumulate in fp32)
+                the half weights are written from them after each step
 ``"kahan"``     a half-precision compensation buffer per parameter holds what rounding    2 + 2 bytes/param
                 the updated weight to half precision dropped, and is added back at the
                 next step (about 16 significant bits for bf16)
@@ -14,17 +13,27 @@ written into the weight. Four ways to deal with it, chosen with ``MPPlugin(maste
                 unbiased, so small updates survive on average
 ``"none"``      plain half weights, as Lightning's ``bf16-true`` (optimizer state half)   2 bytes/param
 ``"optimizer"``  the optimizer keeps fp32 masters itself (Transformer Engine's            2 + 4 bytes/param
-                ``FusedAdam(master_weights=True)``: one kernel reads the half gradients
-                and writes masters and half weights); nothing is attached here
+                ``FusedAdam(master_weights=True)``); nothing is attached here
 ==============  =====================================================================  ==================
 
-(plus the optimizer state: fp32 in the first three, e.g. 8 bytes/param for Adam.) With ``"kahan"`` and
-``"stochastic"`` the optimizer steps a transient fp32 copy of each parameter: from ``prepare`` (after backward)
-to ``finish`` (after the step) the copy (the stored weight plus its compensation, with an fp32 gradient) takes
-the parameter's place in its param group and holds its optimizer state; then the state goes back to the
-parameter, so between steps (and in checkpoints) the fp32 state is keyed to the model's own parameters. The
-parameters' storage and dtype never change, so autograd's gradient accumulators, and the DDP hooks on them,
-stay in place.
+Three invariants hold by construction:
+
+1. **The model's parameters are the truth.** Each parameter carries a stamp (its storage and version counter)
+   taken when the masters last wrote it. A parameter whose stamp differs was written by someone else (the user,
+   a callback that averages or prunes weights, ``load_state_dict``): its master is derived from it again, and
+   Kahan compensation is dropped. The check reads two integers per parameter on the host: no device sync.
+2. **Every parameter the optimizer steps has its master, whenever it joins**: masters are made at the step for
+   whatever half-precision parameters the optimizer's param groups hold then (unfrozen layers, new param groups,
+   a second model).
+3. **Masters are invisible.** ``optimizer.param_groups`` and ``optimizer.state`` are keyed by the model's own
+   parameters; only inside :meth:`MasterWeights.stepping` do the fp32 stand-ins take their places (with their
+   fp32 gradients and the optimizer state), so ``toggle_optimizer``, ``requires_grad``, ``zero_grad``, callbacks
+   reading ``.grad`` and checkpoints see what they would see in fp32. The optimizer's state stays fp32 when a
+   checkpoint is loaded (a hook keeps torch from casting it to the half parameters' dtype).
+
+And masters start from the exact fp32 weights where those exist: :func:`cast_module_` keeps the fp32 tensor it
+replaced (until that parameter is written again), whatever runs between the cast and the first step
+(``validate``, ``predict``, a second ``Trainer``).
 
 Example (a plain loop; :class:`lightning_mp.MPPlugin` does all of this from Lightning's hooks)::
 
@@ -35,18 +44,21 @@ Example (a plain loop; :class:`lightning_mp.MPPlugin` does all of this from Ligh
     for x, y in data:
         loss = F.cross_entropy(model(x.bfloat16()), y)
         loss.backward()
-        masters.step(opt)        # grads into fp32, step the fp32 masters, write the bf16 weights
+        masters.step(opt)        # fp32 gradients, step the fp32 masters, write the bf16 weights
         opt.zero_grad()
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mp._host import HostCopy
 
@@ -55,6 +67,9 @@ _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 #: the stochastic-rounding generator's seed: the same on every rank, so data-parallel replicas round alike
 STOCHASTIC_ROUNDING_SEED = 0x5EED
+
+#: fp32 values of parameters cast to half by :func:`cast_module_`, with the stamp the cast left: param -> (fp32, stamp)
+_FP32_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def parse_master_weights(value: object) -> str:
@@ -75,13 +90,35 @@ def parse_master_weights(value: object) -> str:
     )
 
 
+def stamp(param: Tensor) -> tuple[int, int]:
+    """What changes whenever a tensor's values may have changed: its storage and its version counter (host ints)."""
+    return param.data_ptr(), param._version
+
+
+def fp32_original(param: Tensor) -> Optional[Tensor]:
+    """The fp32 value ``param`` had before :func:`cast_module_` cast it, if it has not been written since."""
+    entry = _FP32_ORIGINALS.get(param)
+    if entry is None:
+        return None
+    value, cast_stamp = entry
+    if cast_stamp != stamp(param):
+        del _FP32_ORIGINALS[param]  # written since: its own value is the truth
+        return None
+    return value
+
+
+def forget_fp32_original(param: Tensor) -> None:
+    _FP32_ORIGINALS.pop(param, None)
+
+
 def cast_module_(module: nn.Module, dtype: torch.dtype, *, keep_fp32: Iterable[str] = ()) -> int:
     """Cast ``module``'s floating parameters and buffers to ``dtype`` in place, except inside ``keep_fp32``.
 
     ``keep_fp32`` names submodules (e.g. the FP32 guards from :func:`lightning_mp.guards.apply_fp32_guards`)
     whose parameters and buffers (BatchNorm running statistics included) stay fp32, also where a parameter
     is shared with a cast module. Parameter objects are kept (``param.data`` is replaced), so optimizers made
-    before or after see the same objects. Idempotent. Returns the number of tensors cast.
+    before or after see the same objects; the fp32 tensors replaced are remembered (not copied) so master
+    weights made later start from them (:func:`fp32_original`). Idempotent. Returns the number of tensors cast.
     """
     keep_ids: set[int] = set()
     kept_modules: set[int] = set()
@@ -96,9 +133,12 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, *, keep_fp32: Iterable[s
                 continue
             for param in sub.parameters(recurse=False):
                 if param.is_floating_point() and id(param) not in keep_ids and param.dtype != dtype:
-                    param.data = param.data.to(dtype)
+                    original = param.data
+                    param.data = original.to(dtype)
                     if param.grad is not None:
                         param.grad = None  # a gradient of the old dtype cannot stay on the cast parameter
+                    if original.dtype == torch.float32 and dtype in _HALF:
+                        _FP32_ORIGINALS[param] = (original, stamp(param))
                     keep_ids.add(id(param))  # shared parameters are cast once
                     cast += 1
             for key, buf in sub._buffers.items():
@@ -133,157 +173,315 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: Optional[torch.Ge
     return torch.where(draw < p_other, other, nearest)
 
 
-def _still_holds(param: Tensor, value: Tensor) -> bool:
-    """Whether the half parameter is still ``value`` (its fp32 original) cast: the original may seed its master."""
-    return value.shape == param.shape and bool(value.to(param.dtype).eq(param.detach().to(value.device)).all())
+@dataclass
+class _Entry:
+    """What the masters keep for one half-precision parameter."""
+
+    param: nn.Parameter
+    #: the fp32 master (``"fp32"``), the compensation buffer (``"kahan"``), or ``None`` (``"stochastic"``)
+    held: Optional[Tensor]
+    #: the parameter's stamp when the masters last wrote (or read) it
+    stamp: tuple[int, int]
+    #: micro-batch gradients summed in fp32 (gradient accumulation), until the step takes them
+    acc: Optional[Tensor] = None
+
+
+@dataclass
+class StepRecord:
+    """One half parameter inside a step: where it sits in its param group, and its fp32 stand-in."""
+
+    group: list
+    index: int
+    param: nn.Parameter
+    standin: nn.Parameter
+    #: the half gradient object and its version when the fp32 gradient was last taken from or written to it
+    grad_seen: Optional[tuple[int, int]] = None
+
+
+@dataclass
+class StepRecords:
+    """The half parameters of one optimizer in one step (see :meth:`MasterWeights.gather`)."""
+
+    optimizer: Optimizer
+    records: list[StepRecord] = field(default_factory=list)
+    swapped: bool = False
+
+    @property
+    def standins(self) -> list[nn.Parameter]:
+        return [r.standin for r in self.records]
 
 
 class MasterWeights:
-    """What keeps the precision of updates to the half-precision parameters of one or more optimizers.
+    """What keeps the precision of updates to half-precision parameters (see the module docstring).
 
-    Subclasses: :class:`FP32MasterWeights`, :class:`KahanCompensation`, :class:`StochasticRounding`. Made with
-    :func:`attach_master_weights`. Per optimizer step: ``carry_grads_()`` after each backward, then
-    ``prepare(optimizer)`` (fp32 parameters and gradients from here on: unscale, clip, hooks), the optimizer's
-    step or its skip, then ``finish(optimizer, skipped=...)``. ``step(optimizer)`` does the three for a plain
-    loop.
+    Subclasses: :class:`FP32MasterWeights`, :class:`KahanCompensation`, :class:`StochasticRounding`. One step:
+    :meth:`gather` (fp32 gradients on fp32 stand-ins), unscaling/checks/clipping on the stand-ins,
+    :meth:`stepping` (the stand-ins take the parameters' places while the optimizer steps), :meth:`write_back`.
+    :meth:`step` does all of it for a plain loop.
     """
 
     kind: str = ""
-    #: whether the optimizer steps transient fp32 copies that stand in for the parameters (kahan, stochastic)
-    steps_fp32_copies = False
 
     def __init__(self) -> None:
-        self._params: dict[int, nn.Parameter] = {}  # id(half param) -> half param
-        self._names: dict[int, str] = {}  # id(half param) -> name in the module
-        self._by_optimizer: dict[int, list[int]] = {}  # id(optimizer) -> ids of its half params
-        self._prepared: dict[int, list[Any]] = {}  # id(optimizer) -> what prepare() changed
-        self._hooked: set[int] = set()
+        self._entries: dict[int, _Entry] = {}  # id(half param) -> entry
+        self._names: dict[int, str] = {}  # id(half param) -> name in the module (checkpoints)
+        self._hooked: set[int] = set()  # optimizers whose state loading keeps fp32
+        self._standins: dict[int, nn.Parameter] = {}  # id(stand-in) -> half param, while a step runs
         self.dtype: Optional[torch.dtype] = None
 
     # ------------------------------------------------------------------ set-up
     def attach(self, optimizer: Optimizer, module: Optional[nn.Module] = None) -> int:
-        """Take charge of ``optimizer``'s half-precision trainable parameters (in place); returns how many.
+        """Take charge of ``optimizer``'s half-precision parameters (nothing in it changes); returns how many.
 
-        Parameters keep their place in their param group (and its options); LR schedulers holding the
-        optimizer keep working. Attaching the same optimizer twice changes nothing.
+        Parameters added later (``add_param_group``, unfrozen layers) are taken at the step they first join.
         """
-        names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-        ids = self._by_optimizer.setdefault(id(optimizer), [])
-        for group in optimizer.param_groups:
-            params = group["params"]
-            for i, param in enumerate(params):
-                if not (isinstance(param, Tensor) and param.dtype in _HALF and param.requires_grad):
-                    continue
-                if self.dtype is None:
-                    self.dtype = param.dtype
-                elif param.dtype != self.dtype:
-                    raise ValueError(
-                        f"master weights: parameters of two half dtypes ({self.dtype} and {param.dtype}) in one run;"
-                        " cast the model to one dtype."
-                    )
-                if param in optimizer.state:
-                    raise ValueError(
-                        f"master weights must be attached before the optimizer's first step: it already holds"
-                        f" half-precision state for {names.get(id(param), 'a parameter')!r}."
-                    )
-                pid = id(param)
-                self._params[pid] = param
-                self._names.setdefault(pid, names.get(pid) or f"param.{len(self._names)}")
-                params[i] = self._adopt(param)
-                if pid not in ids:
-                    ids.append(pid)
+        if module is not None:
+            self.name_parameters(module)
         if id(optimizer) not in self._hooked:
-            self._hook_optimizer(optimizer)
+            _keep_state_fp32_on_load(optimizer)
             self._hooked.add(id(optimizer))
-        return len(ids)
+        count = 0
+        for param in _half_params(optimizer):
+            self._entry(param)
+            count += 1
+        return count
 
-    def _adopt(self, param: nn.Parameter) -> Tensor:
-        """What the optimizer holds instead of ``param`` (by default ``param`` itself)."""
-        return param
+    def name_parameters(self, module: nn.Module) -> None:
+        """Name the parameters (for checkpoints) after ``module``'s ``named_parameters``."""
+        self._names.update({id(p): n for n, p in module.named_parameters(remove_duplicate=False) if id(p) not in self._names})
 
-    def _hook_optimizer(self, optimizer: Optimizer) -> None:
-        """Loading an optimizer state casts it to each parameter's dtype: keep it fp32 for the fp32 copies."""
-        swaps: list[tuple[list, int, Tensor, Tensor]] = []
-        managed = self._by_optimizer.setdefault(id(optimizer), [])
+    def forget_others(self, keep: Iterable[Tensor]) -> None:
+        """Drop what is kept for parameters not in ``keep`` (a model the Trainer no longer trains)."""
+        ids = {id(p) for p in keep}
+        for pid in [pid for pid in self._entries if pid not in ids]:
+            del self._entries[pid]
 
-        def before_load(opt: Optimizer, state_dict: dict) -> None:
-            for group in opt.param_groups:
-                params = group["params"]
-                for i, param in enumerate(params):
-                    if id(param) in managed:
-                        # an fp32 stand-in that allocates nothing: only its dtype and device are read
-                        stand_in = torch.empty((), dtype=torch.float32, device=param.device).expand(param.shape)
-                        params[i] = stand_in
-                        swaps.append((params, i, param, stand_in))
+    def _entry(self, param: nn.Parameter) -> _Entry:
+        entry = self._entries.get(id(param))
+        if entry is None or entry.param is not param:
+            if self.dtype is None:
+                self.dtype = param.dtype
+            elif param.dtype != self.dtype:
+                raise ValueError(
+                    f"master weights: parameters of two half dtypes ({self.dtype} and {param.dtype}) in one run;"
+                    " cast the model to one dtype."
+                )
+            original = fp32_original(param)
+            entry = _Entry(param, self._new_held(param, original), stamp(param))
+            forget_fp32_original(param)
+            self._entries[id(param)] = entry
+        elif entry.stamp != stamp(param):
+            # written by someone else since our last write: the parameter is the truth
+            self._rederive(entry)
+            entry.stamp = stamp(param)
+        return entry
 
-        def after_load(opt: Optimizer) -> None:
-            while swaps:
-                params, i, param, stand_in = swaps.pop()
-                params[i] = param
-                if stand_in in opt.state:
-                    opt.state[param] = opt.state.pop(stand_in)
+    def _new_held(self, param: nn.Parameter, original: Optional[Tensor]) -> Optional[Tensor]:
+        return None
 
-        if self.steps_fp32_copies:
-            optimizer.register_load_state_dict_pre_hook(before_load)
-            optimizer.register_load_state_dict_post_hook(after_load)
+    def _rederive(self, entry: _Entry) -> None:
+        """The parameter was written from outside: start its master (or compensation) from its value."""
+
+    def _fp32_value(self, entry: _Entry) -> Tensor:
+        """The fp32 value the optimizer steps for this parameter (a new tensor unless the master itself)."""
+        return entry.param.detach().float()
+
+    # ------------------------------------------------------------------ gradient accumulation
+    def carry_grads_(self, params: Iterable[Tensor]) -> None:
+        """Before a backward that would add into existing half gradients: move them into fp32 sums.
+
+        Micro-batches of gradient accumulation then sum in fp32; the step adds the last micro-batch's gradient.
+        """
+        dst: list[Tensor] = []
+        src: list[Tensor] = []
+        for param in params:
+            grad = param.grad
+            if grad is None or param.dtype not in _HALF:
+                continue
+            entry = self._entry(param)
+            if entry.acc is None or grad.is_sparse or entry.acc.is_sparse:
+                entry.acc = grad.float() if entry.acc is None else entry.acc + grad.float()
+            else:
+                dst.append(entry.acc)
+                src.append(grad)
+            param.grad = None
+        if dst:
+            torch._foreach_add_(dst, src)
+
+    def pending_sums(self) -> list[Tensor]:
+        """The fp32 sums carried so far (to be reduced across ranks under DDP's ``no_sync``)."""
+        return [e.acc for e in self._entries.values() if e.acc is not None]
+
+    def drop_sums(self) -> None:
+        for entry in self._entries.values():
+            entry.acc = None
 
     # ------------------------------------------------------------------ the step
-    def carry_grads_(self) -> None:
-        """After a backward: move half-precision gradients to where the optimizer reads them (fp32 only)."""
+    def gather(self, optimizer: Optimizer) -> StepRecords:
+        """fp32 stand-ins, with fp32 gradients, for ``optimizer``'s half parameters that have a gradient.
 
-    def prepare(self, optimizer: Optimizer) -> None:
-        """Before unscaling, clipping and the step: fp32 gradients (and parameters) for ``optimizer``. Idempotent."""
-        if id(optimizer) in self._prepared:
+        The half gradients stay where they are (hooks read them); the fp32 gradient is the half one plus any
+        sum carried from earlier micro-batches. Masters are made for parameters that joined since the last step
+        and derived again where the parameter was written from outside.
+        """
+        out = StepRecords(optimizer)
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                params = group["params"]
+                for i, param in enumerate(params):
+                    if not (isinstance(param, Tensor) and param.dtype in _HALF):
+                        continue
+                    entry = self._entry(param)
+                    grad = param.grad
+                    if grad is None and entry.acc is None:
+                        continue
+                    standin = self._standin(entry)
+                    if grad is None:
+                        g32 = entry.acc
+                    elif entry.acc is None:
+                        g32 = grad.to(torch.float32)
+                    else:
+                        g32 = entry.acc.add_(grad)
+                    entry.acc = None
+                    standin.grad = g32
+                    out.records.append(StepRecord(params, i, param, standin, _grad_stamp(param)))
+                    self._standins[id(standin)] = param
+        return out
+
+    def _standin(self, entry: _Entry) -> nn.Parameter:
+        return nn.Parameter(self._fp32_value(entry), requires_grad=entry.param.requires_grad)
+
+    @staticmethod
+    def expose(records: StepRecords) -> None:
+        """Write the fp32 gradients into the half ones, so hooks see the gradient the step will apply."""
+        with torch.no_grad():
+            for r in records.records:
+                grad = r.param.grad
+                if grad is None:
+                    r.param.grad = r.standin.grad.to(r.param.dtype)
+                else:
+                    grad.copy_(r.standin.grad)
+                r.grad_seen = _grad_stamp(r.param)
+
+    @staticmethod
+    def take_rewritten(records: StepRecords) -> int:
+        """After hooks: half gradients that a hook replaced or wrote into become the fp32 gradients. Returns how many."""
+        changed = 0
+        with torch.no_grad():
+            for r in records.records:
+                now = _grad_stamp(r.param)
+                if now != r.grad_seen:
+                    grad = r.param.grad
+                    r.standin.grad = None if grad is None else grad.to(torch.float32)
+                    r.grad_seen = now
+                    changed += 1
+        return changed
+
+    @staticmethod
+    def swap_in(records: StepRecords) -> None:
+        """The fp32 stand-ins take the parameters' places in the param groups, with their optimizer state."""
+        if records.swapped:
             return
-        self._prepared[id(optimizer)] = self._prepare(optimizer, self._by_optimizer.get(id(optimizer), []))
+        state = records.optimizer.state
+        for r in records.records:
+            r.group[r.index] = r.standin
+            if r.param in state:
+                state[r.standin] = state.pop(r.param)
+        records.swapped = True
 
-    def _prepare(self, optimizer: Optimizer, ids: list[int]) -> list[Any]:
-        return []
+    @staticmethod
+    def swap_out(records: StepRecords) -> None:
+        """The parameters get their places and their optimizer state back."""
+        if not records.swapped:
+            return
+        state = records.optimizer.state
+        for r in records.records:
+            r.group[r.index] = r.param
+            if r.standin in state:
+                state[r.param] = state.pop(r.standin)
+        records.swapped = False
 
-    def finish(self, optimizer: Optimizer, *, skipped: Optional[bool] = False, found_inf: Optional[Tensor] = None) -> None:
-        """After the step: write the half-precision weights.
+    @contextlib.contextmanager
+    def stepping(self, records: StepRecords) -> Iterator[None]:
+        """While the optimizer steps: the fp32 stand-ins take the parameters' places and optimizer state."""
+        self.swap_in(records)
+        try:
+            yield
+        finally:
+            self.swap_out(records)
+
+    def write_back(self, records: StepRecords, *, skipped: Optional[bool], found_inf: Optional[Tensor] = None) -> None:
+        """After the step: write the half weights (nothing changes on a skipped step).
 
         Args:
-            skipped: ``True`` when the step was skipped (nothing changes), ``False`` when it ran, ``None`` when
-                only the device knows (fused optimizers under a loss scaler): then ``found_inf`` says.
-            found_inf: a device tensor, non-zero when the step was skipped (used when ``skipped`` is ``None``).
+            skipped: ``True``/``False`` when known on the host; ``None`` when only the device knows (fused
+                optimizers): then ``found_inf`` (non-zero: skipped) decides on the device.
         """
-        records = self._prepared.pop(id(optimizer), None)
-        if records is None:
-            return
-        if skipped is None and found_inf is None:
-            skipped = False
-        self._finish(optimizer, records, skipped, found_inf)
+        todo = [r for r in records.records if r.standin.grad is not None]
+        if skipped is not True and todo:
+            with torch.no_grad():
+                self._write(todo, None if skipped is False else found_inf)
+        for r in records.records:
+            r.standin.grad = None
+            self._standins.pop(id(r.standin), None)
+            entry = self._entries.get(id(r.param))
+            if entry is not None:
+                entry.stamp = stamp(r.param)
 
-    def _finish(
-        self, optimizer: Optimizer, records: list[Any], skipped: Optional[bool], found_inf: Optional[Tensor]
-    ) -> None:
-        """Write the half weights; ``found_inf``: the device verdict (non-zero: skipped), given when ``skipped`` is
-        ``None``."""
+    def _write(self, records: list[StepRecord], skip_flag: Optional[Tensor]) -> None:
+        raise NotImplementedError
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """``carry_grads_``, ``prepare``, ``optimizer.step``, ``finish``: one step of a plain training loop."""
-        self.carry_grads_()
-        self.prepare(optimizer)
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            self.finish(optimizer, skipped=False)
+        """One step of a plain training loop: :meth:`gather`, the optimizer's step on the stand-ins, write back."""
+        records = self.gather(optimizer)
+        with self.stepping(records):
+            out = optimizer.step(*args, **kwargs)
+        self.write_back(records, skipped=False)
+        return out
 
-    # ------------------------------------------------------------------ state
+    # ------------------------------------------------------------------ reading
     def named_params(self) -> dict[str, nn.Parameter]:
-        return {self._names[pid]: p for pid, p in self._params.items()}
+        return {self._name(pid): e.param for pid, e in self._entries.items()}
+
+    def _name(self, pid: int) -> str:
+        name = self._names.get(pid)
+        if name is None:
+            name = self._names[pid] = f"param.{len(self._names)}"
+        return name
+
+    def name_of(self, param: Tensor) -> Optional[str]:
+        return self._names.get(id(param))
+
+    def param_of(self, tensor: Tensor) -> Optional[nn.Parameter]:
+        """The model parameter an fp32 stand-in stands for (inside a step), or ``tensor`` if it is one of ours."""
+        param = self._standins.get(id(tensor))
+        if param is None:
+            entry = self._entries.get(id(tensor))
+            param = entry.param if entry is not None and entry.param is tensor else None
+        return param
 
     def tensors(self) -> list[Tensor]:
         """The tensors held besides the model's own weights (masters or compensation buffers)."""
-        return []
+        return [e.held for e in self._entries.values() if e.held is not None]
 
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors, strings and dicts (``torch.load(weights_only=True)`` reads them)."""
+        self._refresh_all()
         return {"kind": self.kind, "dtype": _DTYPE_NAMES.get(self.dtype, str(self.dtype))}
 
+    def _refresh_all(self) -> None:
+        for entry in self._entries.values():
+            if entry.stamp != stamp(entry.param):
+                self._rederive(entry)
+                entry.stamp = stamp(entry.param)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from :meth:`state_dict`; a state of another kind is converted through the fp32 values.
+        """Restore from :meth:`state_dict`, keeping only what still fits the model's weights.
+
+        Masters (or compensation) of a parameter whose checkpointed weight is not what the master rounds to are
+        derived from the weight instead: the checkpoint's weights are the truth. A state of another kind is
+        converted through the fp32 values.
 
         Raises:
             ValueError: when the state is corrupted or names parameters this model does not have.
@@ -298,21 +496,22 @@ class MasterWeights:
     def _load_own(self, state: dict[str, Any]) -> None:
         pass
 
-    def load_fp32_values(self, values: dict[str, Tensor]) -> None:
-        """Take the fp32 values of the weights, by parameter name (e.g. from a checkpoint of another kind or of
-        a mixed-precision run); names not given keep their state. ``"stochastic"`` has nothing to take."""
+    def load_fp32_values(self, values: dict[str, Tensor]) -> int:
+        """Take fp32 values of the weights by parameter name where they round to the weights; returns how many.
 
-    def _check_names(self, saved: dict[str, Any], what: str) -> dict[str, nn.Parameter]:
+        For a checkpoint of another kind or of a mixed-precision run. Names not given keep their state.
+        """
+        return 0
+
+    def _check_names(self, saved: Any, what: str) -> dict[str, nn.Parameter]:
         if not isinstance(saved, dict):
             raise ValueError(f"master-weights state: '{what}' is a {type(saved).__name__}, not a dict: it is corrupted.")
         params = self.named_params()
-        missing = sorted(set(params) - set(saved))
         unknown = sorted(set(saved) - set(params))
-        if missing or unknown:
+        if unknown:
             raise ValueError(
-                f"master-weights state does not fit this model: {what} missing for {missing[:5]}"
-                f"{' ...' if len(missing) > 5 else ''}, unknown {unknown[:5]}{' ...' if len(unknown) > 5 else ''}."
-                " The checkpoint was written for another model or optimizer set-up."
+                f"master-weights state does not fit this model: {what} for unknown parameters {unknown[:5]}"
+                f"{' ...' if len(unknown) > 5 else ''}. The checkpoint was written for another model or optimizer set-up."
             )
         for name, tensor in saved.items():
             if not isinstance(tensor, Tensor) or tensor.shape != params[name].shape:
@@ -320,107 +519,95 @@ class MasterWeights:
                 raise ValueError(
                     f"master-weights state: {what} of {name!r} is {got}, the parameter is {tuple(params[name].shape)}."
                 )
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"master-weights state: {what} of {name!r} holds inf/NaN: the checkpoint is corrupted.")
         return params
+
+    def _entry_by_name(self) -> dict[str, _Entry]:
+        return {self._name(pid): e for pid, e in self._entries.items()}
+
+
+def _grad_stamp(param: Tensor) -> Optional[tuple[int, int]]:
+    grad = param.grad
+    return None if grad is None else (id(grad), grad._version)
+
+
+def _half_params(optimizer: Optimizer) -> Iterator[nn.Parameter]:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if isinstance(param, Tensor) and param.dtype in _HALF:
+                yield param
+
+
+def _keep_state_fp32_on_load(optimizer: Optimizer) -> None:
+    """Loading an optimizer state casts it to each parameter's dtype: keep it fp32 for the half parameters."""
+    swaps: list[tuple[list, int, Tensor, Tensor]] = []
+
+    def before_load(opt: Optimizer, state_dict: dict) -> None:
+        for group in opt.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                if isinstance(param, Tensor) and param.dtype in _HALF:
+                    # an fp32 stand-in that allocates nothing: only its dtype and device are read
+                    stand_in = torch.empty((), dtype=torch.float32, device=param.device).expand(param.shape)
+                    params[i] = stand_in
+                    swaps.append((params, i, param, stand_in))
+
+    def after_load(opt: Optimizer) -> None:
+        while swaps:
+            params, i, param, stand_in = swaps.pop()
+            params[i] = param
+            if stand_in in opt.state:
+                opt.state[param] = opt.state.pop(stand_in)
+
+    optimizer.register_load_state_dict_pre_hook(before_load)
+    optimizer.register_load_state_dict_post_hook(after_load)
 
 
 class FP32MasterWeights(MasterWeights):
-    """fp32 master copies that the optimizer steps; half weights are refreshed from them after each step."""
+    """fp32 master copies that the optimizer steps; half weights are written from them after each step."""
 
     kind = "fp32"
 
-    def __init__(self, initial: Optional[dict[int, Tensor]] = None) -> None:
-        """``initial``: fp32 values the half parameters had before they were cast (by ``id`` of the parameter),
-        so the masters start from the exact fp32 weights instead of their half-precision rounding."""
-        super().__init__()
-        self._masters: dict[int, nn.Parameter] = {}  # id(half param) -> fp32 master
-        self._initial: dict[int, Tensor] = dict(initial or {})
+    def _new_held(self, param: nn.Parameter, original: Optional[Tensor]) -> Tensor:
+        if original is not None:
+            # the original itself becomes the master (no copy where it already sits on the device)
+            return original.to(device=param.device, dtype=torch.float32)
+        return param.detach().to(torch.float32, copy=True)
 
-    def _adopt(self, param: nn.Parameter) -> Tensor:
-        master = self._masters.get(id(param))
-        if master is None:
-            value = self._initial.pop(id(param), None)
-            if value is None or not _still_holds(param, value):
-                # no fp32 original, or the weight changed since it was cast
-                master = nn.Parameter(param.detach().to(torch.float32, copy=True))
-            else:
-                # the original itself becomes the master (no copy where it already sits on the device): set-up needs
-                # no more memory than fp32 copies made from the half weights would
-                master = nn.Parameter(value.to(device=param.device, dtype=torch.float32))
-            self._masters[id(param)] = master
-        return master
+    def _rederive(self, entry: _Entry) -> None:
+        with torch.no_grad():
+            entry.held.copy_(entry.param.detach())
 
-    def master_of(self, param: nn.Parameter) -> Optional[nn.Parameter]:
+    def _standin(self, entry: _Entry) -> nn.Parameter:
+        held = entry.held
+        if not isinstance(held, nn.Parameter):
+            held = entry.held = nn.Parameter(held, requires_grad=True)
+        held.requires_grad_(entry.param.requires_grad)
+        return held
+
+    def master_of(self, param: nn.Parameter) -> Optional[Tensor]:
         """The fp32 master of a model parameter (``None`` if it has none, e.g. inside an FP32 guard)."""
-        return self._masters.get(id(param))
+        entry = self._entries.get(id(param))
+        if entry is None or entry.param is not param:
+            return None
+        if entry.stamp != stamp(param):
+            self._rederive(entry)
+            entry.stamp = stamp(param)
+        return entry.held
 
-    def carry_grads_(self) -> None:
-        # fp32 accumulation across micro-batches: each backward's half gradient is added into the fp32 one
-        acc_dst: list[Tensor] = []
-        acc_src: list[Tensor] = []
-        for pid, master in self._masters.items():
-            param = self._params[pid]
-            grad = param.grad
-            if grad is None:
-                continue
-            if master.grad is None:
-                master.grad = grad.to(torch.float32)
-            elif grad.is_sparse or master.grad.is_sparse:
-                master.grad = master.grad + grad.to(torch.float32)
-            else:
-                acc_dst.append(master.grad)
-                acc_src.append(grad)
-            param.grad = None
-        if acc_dst:
-            torch._foreach_add_(acc_dst, acc_src)
+    def _write(self, records: list[StepRecord], skip_flag: Optional[Tensor]) -> None:
+        # on a step skipped on the device the masters did not move: the copy writes the same values
+        torch._foreach_copy_([r.param.data for r in records], [r.standin.data for r in records])
 
     def broadcast_(self, src: int = 0) -> None:
-        """Give every rank ``src``'s masters (DDP broadcasts the weights of rank 0 when it wraps the model: masters
-        started from each rank's own fp32 weights must follow, or the ranks would drift apart)."""
-        for master in self._masters.values():
-            torch.distributed.broadcast(master.data, src=src)
-
-    def all_reduce_grads_async(self) -> tuple[list[Tensor], list[Any]]:
-        """Start summing the fp32 gradients over the ranks (async; :meth:`wait_all_reduce` averages them).
-
-        For gradient accumulation under DDP: micro-batches DDP does not reduce (``no_sync``) are accumulated here
-        in fp32 on each rank, then reduced in fp32 while the last micro-batch runs its backward. Every master takes
-        part (a zero gradient where a rank has none), in the same order on every rank.
-        """
-        grads = []
-        for master in self._masters.values():
-            if master.grad is None:
-                master.grad = torch.zeros_like(master)
-            grads.append(master.grad)
-        works = [torch.distributed.all_reduce(g, async_op=True) for g in grads]
-        return grads, works
-
-    @staticmethod
-    def wait_all_reduce(pending: tuple[list[Tensor], list[Any]], world_size: int) -> None:
-        grads, works = pending
-        for work in works:
-            work.wait()
-        if grads and world_size > 1:
-            torch._foreach_div_(grads, float(world_size))  # DDP averages: so do these
-
-    def _prepare(self, optimizer: Optimizer, ids: list[int]) -> list[Any]:
-        self.carry_grads_()  # gradients from a backward that bypassed the plugin
-        return [(self._params[pid], self._masters[pid]) for pid in ids if self._masters[pid].grad is not None]
-
-    def _finish(
-        self, optimizer: Optimizer, records: list[Any], skipped: Optional[bool], found_inf: Optional[Tensor]
-    ) -> None:
-        if skipped is True or not records:
-            return
-        # on a step skipped on the device the masters did not move: the copy writes the same values
-        with torch.no_grad():
-            torch._foreach_copy_([p.data for p, _ in records], [m.data for _, m in records])
-
-    def tensors(self) -> list[Tensor]:
-        return list(self._masters.values())
+        """Give every rank ``src``'s masters (DDP broadcasts rank 0's weights when it wraps the model)."""
+        for entry in self._entries.values():
+            torch.distributed.broadcast(entry.held.data, src=src)
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["masters"] = {self._names[pid]: m.detach() for pid, m in self._masters.items()}
+        state["masters"] = {self._name(pid): e.held.detach() for pid, e in self._entries.items()}
         return state
 
     def _load_own(self, state: dict[str, Any]) -> None:
@@ -428,87 +615,96 @@ class FP32MasterWeights(MasterWeights):
         self._check_names(saved, "masters")
         self.load_fp32_values(saved)
 
-    def load_fp32_values(self, values: dict[str, Tensor]) -> None:
+    def load_fp32_values(self, values: dict[str, Tensor]) -> int:
+        taken = 0
         with torch.no_grad():
-            for pid, master in self._masters.items():
-                name = self._names[pid]
-                if name in values:
-                    master.copy_(values[name])
+            for name, entry in self._entry_by_name().items():
+                value = values.get(name)
+                if value is None:
+                    continue
+                value = value.to(entry.held.device, torch.float32)
+                if bool(value.to(entry.param.dtype).eq(entry.param.detach()).all()):
+                    entry.held.copy_(value)
+                    taken += 1
+                else:
+                    entry.held.copy_(entry.param.detach())  # the weight is the truth
+                entry.stamp = stamp(entry.param)
+        return taken
 
 
 class KahanCompensation(MasterWeights):
     """Half weights plus a half-precision buffer holding each weight's rounding error, added back at the next step."""
 
     kind = "kahan"
-    steps_fp32_copies = True
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._comp: dict[int, Tensor] = {}
+    def _new_held(self, param: nn.Parameter, original: Optional[Tensor]) -> Tensor:
+        comp = torch.zeros_like(param, memory_format=torch.preserve_format)
+        if original is not None:
+            comp.copy_(original.to(param.device, torch.float32) - param.detach().float())
+        return comp
 
-    def _adopt(self, param: nn.Parameter) -> Tensor:
-        if id(param) not in self._comp:
-            self._comp[id(param)] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        return param
+    def _rederive(self, entry: _Entry) -> None:
+        entry.held.zero_()
 
-    def _prepare(self, optimizer: Optimizer, ids: list[int]) -> list[Any]:
-        return _swap_in_fp32_copies(optimizer, self._params, ids, self._comp)
+    def _fp32_value(self, entry: _Entry) -> Tensor:
+        return entry.param.detach().float().add_(entry.held)
 
-    def _finish(
-        self, optimizer: Optimizer, records: list[Any], skipped: Optional[bool], found_inf: Optional[Tensor]
-    ) -> None:
-        _swap_back(optimizer, records)
-        if skipped is True:
+    def _write(self, records: list[StepRecord], skip_flag: Optional[Tensor]) -> None:
+        params = [r.param for r in records]
+        values = [r.standin.detach() for r in records]
+        comps = [self._entries[id(p)].held for p in params]
+        if skip_flag is None:
+            torch._foreach_copy_(params, values)  # the value rounded to half precision
+            torch._foreach_sub_(values, params)  # exact in fp32: the value and its rounding are within an ulp
+            torch._foreach_copy_(comps, values)
             return
-        params = [param for _, _, param, _ in records]
-        values = [value for _, _, _, value in records]
-        comps = [self._comp[id(param)] for param in params]
-        with torch.no_grad():
-            if found_inf is None:
-                torch._foreach_copy_(params, values)  # the value rounded to half precision
-                torch._foreach_sub_(values, params)  # exact in fp32: the value and its rounding are within an ulp
-                torch._foreach_copy_(comps, values)
-                return
-            skip = found_inf.reshape(()).ne(0)  # skipped on the device: keep both as they were
-            for param, value, comp in zip(params, values, comps):
-                new = value.to(param.dtype)
-                err = value.sub_(new).to(param.dtype)
-                param.copy_(torch.where(skip, param, new))
-                comp.copy_(torch.where(skip, comp, err))
-
-    def tensors(self) -> list[Tensor]:
-        return list(self._comp.values())
+        skip = skip_flag.reshape(()).ne(0)  # skipped on the device: keep both as they were
+        for param, value, comp in zip(params, values, comps):
+            new = value.to(param.dtype)
+            err = value.sub(new).to(param.dtype)
+            param.copy_(torch.where(skip, param, new))
+            comp.copy_(torch.where(skip, comp, err))
 
     def compensation_of(self, param: nn.Parameter) -> Optional[Tensor]:
         """The compensation buffer of a model parameter (``None`` if it has none)."""
-        return self._comp.get(id(param))
+        entry = self._entries.get(id(param))
+        return None if entry is None else entry.held
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
-        state["compensation"] = {self._names[pid]: c for pid, c in self._comp.items()}
+        state["compensation"] = {self._name(pid): e.held for pid, e in self._entries.items()}
         return state
 
     def _load_own(self, state: dict[str, Any]) -> None:
         saved = state.get("compensation")
         self._check_names(saved, "compensation")
         with torch.no_grad():
-            for pid, comp in self._comp.items():
-                comp.copy_(saved[self._names[pid]])
+            for name, entry in self._entry_by_name().items():
+                if name in saved:
+                    entry.held.copy_(saved[name])
+                    entry.stamp = stamp(entry.param)
 
-    def load_fp32_values(self, values: dict[str, Tensor]) -> None:
+    def load_fp32_values(self, values: dict[str, Tensor]) -> int:
+        taken = 0
         with torch.no_grad():
-            for pid, comp in self._comp.items():
-                name = self._names[pid]
-                if name in values:
-                    param = self._params[pid]
-                    comp.copy_(values[name].to(param.device, torch.float32) - param.float())
+            for name, entry in self._entry_by_name().items():
+                value = values.get(name)
+                if value is None:
+                    continue
+                value = value.to(entry.param.device, torch.float32)
+                if bool(value.to(entry.param.dtype).eq(entry.param.detach()).all()):
+                    entry.held.copy_(value - entry.param.float())
+                    taken += 1
+                else:
+                    entry.held.zero_()
+                entry.stamp = stamp(entry.param)
+        return taken
 
 
 class StochasticRounding(MasterWeights):
     """Half weights only; each updated weight is rounded to half precision stochastically."""
 
     kind = "stochastic"
-    steps_fp32_copies = True
 
     def __init__(self, seed: int = STOCHASTIC_ROUNDING_SEED) -> None:
         super().__init__()
@@ -517,7 +713,7 @@ class StochasticRounding(MasterWeights):
         # a step a fused optimizer may have skipped on the device: the generators' states before its noise was
         # drawn, and its verdict on its way to the host; rewound once the verdict is read (next step, or a save)
         self._pending: Optional[dict[str, Tensor]] = None
-        self._verdict = HostCopy()  # the pending step's verdict, on its way to the host
+        self._verdict = HostCopy()
 
     def generator(self, device: torch.device) -> torch.Generator:
         """The rounding noise's generator on ``device`` (seeded with ``seed``; saved in checkpoints)."""
@@ -526,25 +722,15 @@ class StochasticRounding(MasterWeights):
             self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[key]
 
-    def _prepare(self, optimizer: Optimizer, ids: list[int]) -> list[Any]:
-        return _swap_in_fp32_copies(optimizer, self._params, ids, None)
-
-    def _finish(
-        self, optimizer: Optimizer, records: list[Any], skipped: Optional[bool], found_inf: Optional[Tensor]
-    ) -> None:
-        _swap_back(optimizer, records)
-        if skipped is True:
-            return
+    def _write(self, records: list[StepRecord], skip_flag: Optional[Tensor]) -> None:
         self._settle()
-        if skipped is None and found_inf is not None:
-            # skipped on the device: the copy still holds the old weight exactly, which rounds to itself, but the
-            # noise drawn for it must not count: remember the generators' states (host values, no sync) and rewind
-            # them when the verdict, copied to the host without waiting, says the step was skipped
+        if skip_flag is not None:
+            # skipped on the device: the stand-in still holds the old weight exactly, which rounds to itself, but
+            # the noise drawn for it must not count: rewind the generators once the verdict reaches the host
             self._pending = {k: g.get_state() for k, g in self._generators.items()}
-            self._verdict.start(found_inf.reshape(()).ne(0))
-        with torch.no_grad():
-            for _, _, param, value in records:
-                param.copy_(stochastic_round(value, param.dtype, self.generator(param.device)))
+            self._verdict.start(skip_flag.reshape(()).ne(0))
+        for r in records:
+            r.param.copy_(stochastic_round(r.standin.detach(), r.param.dtype, self.generator(r.param.device)))
 
     def _settle(self) -> None:
         """Rewind the generators past a step that turned out to be skipped on the device."""
@@ -575,41 +761,8 @@ class StochasticRounding(MasterWeights):
             if device.type == "cuda" and not torch.cuda.is_available():
                 continue
             self.generator(device).set_state(gen_state)
-
-
-def _swap_in_fp32_copies(
-    optimizer: Optimizer, params: dict[int, nn.Parameter], ids: list[int], comp: Optional[dict[int, Tensor]]
-) -> list[Any]:
-    """Put an fp32 copy (plus compensation, with an fp32 gradient) in the place of each half parameter with a
-    gradient, moving its optimizer state along. Returns ``(param list, index, parameter, copy)`` records."""
-    managed = set(ids)
-    records = []
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            group_params = group["params"]
-            for i, param in enumerate(group_params):
-                if id(param) not in managed or param.grad is None:
-                    continue
-                value = param.detach().to(torch.float32, copy=True)
-                if comp is not None:
-                    value.add_(comp[id(param)])
-                copy = nn.Parameter(value)
-                copy.grad = param.grad.to(torch.float32)
-                param.grad = None
-                group_params[i] = copy
-                if param in optimizer.state:
-                    optimizer.state[copy] = optimizer.state.pop(param)
-                records.append((group_params, i, param, copy))
-    return records
-
-
-def _swap_back(optimizer: Optimizer, records: list[Any]) -> None:
-    """Give the parameters their places and their optimizer state back (the copies keep their values)."""
-    for group_params, i, param, copy in records:
-        group_params[i] = param
-        if copy in optimizer.state:
-            optimizer.state[param] = optimizer.state.pop(copy)
-        copy.grad = None
+        for entry in self._entries.values():
+            entry.stamp = stamp(entry.param)
 
 
 def fp32_values(state: dict[str, Any], params: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -629,6 +782,12 @@ def fp32_values(state: dict[str, Any], params: dict[str, Tensor]) -> dict[str, T
 _KINDS = {"fp32": FP32MasterWeights, "kahan": KahanCompensation, "stochastic": StochasticRounding}
 
 
+def make_master_weights(kind: str) -> Optional[MasterWeights]:
+    """A new, empty :class:`MasterWeights` of ``kind`` (``None`` for ``"none"`` and ``"optimizer"``)."""
+    kind = parse_master_weights(kind)
+    return _KINDS[kind]() if kind in _KINDS else None
+
+
 def attach_master_weights(
     optimizers: Union[Optimizer, Sequence[Optimizer]],
     kind: str = "fp32",
@@ -636,12 +795,10 @@ def attach_master_weights(
     module: Optional[nn.Module] = None,
     existing: Optional[MasterWeights] = None,
 ) -> Optional[MasterWeights]:
-    """Make ``optimizers`` keep the precision of their half-precision parameters' updates, in place.
+    """Keep the precision of ``optimizers``' half-precision parameters' updates (the optimizers do not change).
 
-    Call it after the model is cast to half precision and the optimizers are made, before their first step.
-    ``module`` gives the parameters their names (for checkpoints). ``existing`` (of the same kind) is reused,
-    so fp32 masters made earlier for the same parameters keep their low bits. Returns ``None`` for ``"none"``
-    and ``"optimizer"``.
+    ``module`` names the parameters (for checkpoints). ``existing`` (of the same kind) is reused, so masters made
+    earlier for the same parameters keep their low bits. Returns ``None`` for ``"none"`` and ``"optimizer"``.
 
     Example::
 
@@ -649,12 +806,10 @@ def attach_master_weights(
     """
     kind = parse_master_weights(kind)
     if kind in ("none", "optimizer"):
-        return None  # plain half weights, or an optimizer that keeps its own masters
+        return None
     masters = existing if existing is not None and existing.kind == kind else _KINDS[kind]()
     for optimizer in [optimizers] if isinstance(optimizers, Optimizer) else optimizers:
         masters.attach(optimizer, module)
-    if isinstance(masters, FP32MasterWeights):
-        masters._initial.clear()  # fp32 originals of parameters no optimizer holds are not kept alive
     return masters
 
 
@@ -668,13 +823,13 @@ def keeps_own_masters(optimizer: Optimizer) -> bool:
     return getattr(optimizer, "master_weights", False) is True
 
 
-def seed_optimizer_masters(optimizer: Optimizer, initial: dict[int, Tensor]) -> int:
+def seed_optimizer_masters(optimizer: Optimizer) -> int:
     """Start the masters of an optimizer that keeps its own (:func:`keeps_own_masters`) from the exact fp32 weights.
 
-    ``initial`` maps ``id(param)`` to the fp32 value the half parameter had before it was cast. Uses Transformer
-    Engine's ``FusedAdam`` API (``initialize_state``/``set_scaled_state``); optimizers without it, or storing
-    its masters as 16-bit remainders of the half weights, start from the half weights (returns 0). Returns how
-    many masters were seeded.
+    Uses the fp32 values :func:`cast_module_` replaced, where the parameter still holds them cast, and Transformer
+    Engine's ``FusedAdam`` API (``initialize_state``/``set_scaled_state``); optimizers without it, or storing its
+    masters as 16-bit remainders of the half weights, start from the half weights (returns 0). Returns how many
+    masters were seeded.
     """
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     init = getattr(optimizer, "initialize_state", None)
@@ -682,13 +837,13 @@ def seed_optimizer_masters(optimizer: Optimizer, initial: dict[int, Tensor]) -> 
     if not (callable(init) and callable(set_state)) or getattr(optimizer, "store_param_remainders", False):
         return 0
     seeded = 0
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            value = initial.get(id(param))
-            if value is None or param.dtype not in _HALF or not _still_holds(param, value):
-                continue  # no fp32 original, or the weight changed since it was cast: its own value is the truth
-            if not optimizer.state.get(param):
-                init(param, False)
-            set_state(param, "master_param", value.to(device=param.device, dtype=torch.float32))
-            seeded += 1
+    for param in _half_params(optimizer):
+        value = fp32_original(param)
+        if value is None:
+            continue  # no fp32 original, or the weight changed since it was cast: its own value is the truth
+        if not optimizer.state.get(param):
+            init(param, False)
+        set_state(param, "master_param", value.to(device=param.device, dtype=torch.float32))
+        forget_fp32_original(param)
+        seeded += 1
     return seeded

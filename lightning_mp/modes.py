@@ -45,6 +45,16 @@ class PrecisionMode:
         return self.param_dtype is not None
 
     @property
+    def fp8(self) -> bool:
+        """Whether linear layers run FP8 GEMMs through Transformer Engine."""
+        return self.name == "fp8"
+
+    @property
+    def autocast_only(self) -> bool:
+        """fp32 weights under torch autocast (``bf16``/``fp16``): CUDA autocast runs norms and losses in fp32 itself."""
+        return self.autocast_dtype is not None and not self.fp8 and not self.true_half
+
+    @property
     def low_precision_dtypes(self) -> tuple[torch.dtype, ...]:
         """The 16-bit dtypes the mode computes or stores in."""
         return tuple(d for d in (self.autocast_dtype, self.param_dtype) if d is not None)

@@ -1,5 +1,10 @@
 """Dynamic loss scaling with hysteresis, a floor and a cap, and the non-finite step guard used in every mode.
 
+:class:`DynamicLossScaler` is a drop-in ``torch.amp.GradScaler``: the same arguments (``enabled`` included), the
+same protocol (``scale``/``unscale_``/``step``/``update``; fused optimizers get ``grad_scale`` and ``found_inf``) and
+a state dict torch's scaler reads. When the scale moves is :class:`ScalePolicy`'s business (hysteresis, floor,
+cap); the scaler adds skip counters, a check-only mode and a verdict shared across ranks.
+
 The scaler keeps ``torch.amp.GradScaler``'s fused kernels and its one host sync per step
 (none with fused optimizers): the inf/NaN check is ``torch._amp_foreach_non_finite_check_and_unscale_``,
 the scale update is ``torch._amp_update_scale_`` plus a few device-side tensor ops, and the skip
@@ -8,8 +13,10 @@ counters live on the device.
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -27,11 +34,89 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return _DTensor is not None and isinstance(tensor, _DTensor)
 
 
-def _check_positive_finite(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name}={value!r} is invalid: it must be a finite number > 0.")
+# ---------------------------------------------------------------------- values the device tensors can hold
+_F32 = torch.finfo(torch.float32)  # the scale is a float32 tensor
+_INT32 = torch.iinfo(torch.int32)  # the growth and hysteresis trackers are int32 tensors
+_INT64_MAX = torch.iinfo(torch.int64).max  # the skip counters are int64
+_COUNTERS = ("steps", "skipped_steps", "consecutive_skips", "last_skipped")
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_scale(name: str, value: Any, *, smallest: float = _F32.tiny) -> float:
+    """A scale or scale bound: finite, > 0, at least ``smallest``, and no larger than float32 holds."""
+    if _is_number(value) and value > 0 and smallest <= value <= _F32.max:  # NaN fails every comparison
+        return float(value)
+    bounds = f"[{smallest!r}, {_F32.max!r}]" if smallest > 0 else f"(0, {_F32.max!r}]"
+    raise ValueError(
+        f"{name}={value!r} is invalid: it must be a finite number > 0 that a float32 tensor holds, in {bounds}."
+    )
+
+
+def _check_int(name: str, value: Any, low: int, high: int, what: str, *, allow_bool: bool = False) -> int:
+    """An integer in ``[low, high]``; an integral float (``3.0``, e.g. after a JSON round trip) counts as one."""
+    number = int(value) if isinstance(value, float) and value.is_integer() else value
+    if (isinstance(number, bool) and not allow_bool) or not isinstance(number, int) or not low <= number <= high:
+        raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {low} and <= {high} ({what}).")
+    return int(number)
+
+
+def _check_factors(growth_factor: Any, backoff_factor: Any) -> tuple[float, float]:
+    if not _is_number(growth_factor) or not 1 < growth_factor < math.inf:
+        raise ValueError(f"growth_factor={growth_factor!r} is invalid: it must be a finite number > 1 (e.g. 2.0).")
+    if not _is_number(backoff_factor) or not 0 < backoff_factor < 1:
+        raise ValueError(f"backoff_factor={backoff_factor!r} is invalid: it must lie in (0, 1) (e.g. 0.5).")
+    return float(growth_factor), float(backoff_factor)
+
+
+def _check_growth_interval(value: Any) -> int:
+    return _check_int("growth_interval", value, 1, _INT32.max, "the growth tracker is an int32 tensor; e.g. 2000")
+
+
+# ---------------------------------------------------------------------- the policy: when the scale moves
+@dataclass(frozen=True)
+class ScalePolicy:
+    """When the loss scale moves: Megatron-LM's ``DynamicGradScaler.update(found_inf)``, on device tensors.
+
+    An overflow spends one unit of the hysteresis budget and restarts the growth count; once the budget is spent
+    the scale backs off by ``backoff_factor``. ``growth_interval`` clean steps in a row grow it by
+    ``growth_factor`` (torch's rule, with its guard against growing to inf). The budget refills when the scale
+    grows, and with ``consecutive_hysteresis`` on every clean step (then N overflows *in a row* back off).
+    The scale stays in ``[min_scale, max_scale]``. ``hysteresis=1`` without bounds is torch's GradScaler.
+    """
+
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = True
+    min_scale: float = _F32.tiny
+    max_scale: float = _F32.max
+
+    def update_(
+        self, scale: torch.Tensor, growth_tracker: torch.Tensor, budget: torch.Tensor, found_inf: torch.Tensor
+    ) -> None:
+        """One step: move ``scale`` (float32), ``growth_tracker`` and ``budget`` (int32) in place; ``found_inf`` is
+        a 0-dim bool tensor. Device ops only: no host sync."""
+        budget_left = budget - found_inf.int()
+        backoff = found_inf & (budget_left <= 0)
+        previous = scale.clone()
+        # torch's kernel: back off (restarting the growth count), or count a clean step and grow every interval
+        torch._amp_update_scale_(
+            scale, growth_tracker, backoff.float(), self.growth_factor, self.backoff_factor, self.growth_interval
+        )
+        scale.copy_(torch.where(found_inf & ~backoff, previous, scale))  # an overflow hysteresis absorbs keeps it
+        growth_tracker.masked_fill_(found_inf, 0)  # any overflow restarts the growth count
+        refill = scale > previous
+        if self.consecutive_hysteresis:
+            refill = refill | ~found_inf
+        budget.copy_(torch.where(refill, torch.full_like(budget, self.hysteresis), budget_left))
+        scale.clamp_(self.min_scale, self.max_scale)
+
+
+# ---------------------------------------------------------------------- the scaler
 class DynamicLossScaler(torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` that adds hysteresis, a min/max scale, skip counters and a check-only mode.
 
@@ -45,12 +130,19 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scaler.update()                      # backoff only after ``hysteresis`` overflows in a row
         scaler.skipped_steps                 # how many steps were skipped so far
 
+    The first six arguments are ``torch.amp.GradScaler``'s, with the same meaning: ``enabled=False`` gives torch's
+    disabled scaler (inputs pass through, ``step`` always steps, ``update`` does nothing, ``get_scale()`` is 1.0,
+    ``state_dict()`` is empty; its settings are ignored, not checked, as torch's are), and so does ``"cuda"``
+    without CUDA (torch warns). Optimizers with ``_step_supports_amp_scaling`` (fused Adam/AdamW/SGD) get
+    ``grad_scale`` and ``found_inf`` as torch hands them over, and skip on the device.
+
     Args:
         device: device type of the gradients (``"cuda"`` or ``"cpu"``).
         init_scale: the first loss scale.
         growth_factor: multiply the scale by this after ``growth_interval`` clean steps (> 1).
         backoff_factor: multiply the scale by this on a backoff (0 < f < 1).
         growth_interval: clean steps between two growths.
+        enabled: ``False`` turns scaling and step skipping off (torch's ``enabled``).
         hysteresis: overflowing steps needed before the scale backs off (1 = at once, as torch).
         consecutive_hysteresis: ``True`` refills the hysteresis budget on every clean step (N overflows in a
             row back off, as DeepSpeed's ``consecutive_hysteresis``); ``False`` refills it only when the scale
@@ -60,10 +152,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         dynamic: ``False`` keeps the scale at ``init_scale`` (a static loss scale); steps are still skipped.
         scaling: ``False`` runs only the non-finite step guard: the loss is not scaled (scale stays 1) but
             inf/NaN gradients are still found and the step skipped; this is how bf16/fp32 skip steps.
+
+    Scales and bounds must fit a float32 tensor (``[1.18e-38, 3.40e38]``), ``growth_interval`` and ``hysteresis``
+    an int32 one; anything else raises ``ValueError`` here rather than failing in training.
     """
 
     #: whether this scaler's own checks already give every rank the same verdict (then no extra all-reduce)
     verdict_agrees_across_ranks = False
+    #: whether this scaler's class is the sharded one (FSDP)
+    sharded = False
 
     def __init__(
         self,
@@ -72,6 +169,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        enabled: bool = True,
         *,
         hysteresis: int = 1,
         consecutive_hysteresis: bool = True,
@@ -80,37 +178,38 @@ class DynamicLossScaler(torch.amp.GradScaler):
         dynamic: bool = True,
         scaling: bool = True,
     ) -> None:
-        for name, value in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale)):
-            _check_positive_finite(name, value)
-        if not isinstance(growth_factor, (int, float)) or not math.isfinite(growth_factor) or growth_factor <= 1:
-            raise ValueError(f"growth_factor={growth_factor!r} is invalid: it must be a finite number > 1 (e.g. 2.0).")
-        if not isinstance(backoff_factor, (int, float)) or not 0 < backoff_factor < 1:
-            raise ValueError(f"backoff_factor={backoff_factor!r} is invalid: it must lie in (0, 1) (e.g. 0.5).")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval={growth_interval!r} is invalid: it must be an integer >= 1 (e.g. 2000).")
-        if isinstance(hysteresis, bool) or not isinstance(hysteresis, int) or hysteresis < 1:
-            raise ValueError(
-                f"hysteresis={hysteresis!r} is invalid: it must be an integer >= 1 (1 backs off on every overflow)."
+        if enabled:  # a disabled scaler ignores its settings, as torch's does
+            init_scale, min_scale, max_scale = (
+                _check_scale(name, value)
+                for name, value in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale))
             )
-        if min_scale > max_scale:
-            raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}; use min_scale <= max_scale.")
-        if scaling and not min_scale <= init_scale <= max_scale:
-            raise ValueError(
-                f"init_scale={init_scale!r} lies outside [min_scale={min_scale!r}, max_scale={max_scale!r}];"
-                " choose an init_scale between them."
+            growth_factor, backoff_factor = _check_factors(growth_factor, backoff_factor)
+            growth_interval = _check_growth_interval(growth_interval)
+            hysteresis = _check_int(
+                "hysteresis", hysteresis, 1, _INT32.max,
+                "the hysteresis budget is an int32 tensor; 1 backs off on every overflow",
             )
+            if min_scale > max_scale:
+                raise ValueError(
+                    f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}; use min_scale <= max_scale."
+                )
+            if scaling and not min_scale <= init_scale <= max_scale:
+                raise ValueError(
+                    f"init_scale={init_scale!r} lies outside [min_scale={min_scale!r}, max_scale={max_scale!r}];"
+                    " choose an init_scale between them."
+                )
         super().__init__(
             device,
-            init_scale=float(init_scale) if scaling else 1.0,
-            growth_factor=float(growth_factor),
-            backoff_factor=float(backoff_factor),
+            init_scale=init_scale if scaling else 1.0,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
             growth_interval=growth_interval,
-            enabled=True,
+            enabled=enabled,
         )
         self.hysteresis = hysteresis
         self.consecutive_hysteresis = consecutive_hysteresis
-        self.min_scale = float(min_scale)
-        self.max_scale = float(max_scale)
+        self.min_scale = min_scale
+        self.max_scale = max_scale
         self.dynamic = dynamic
         self.scaling = scaling
         # device-side state, created with the scale (lazily, on the loss's device)
@@ -122,6 +221,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.last_skipped_host: Optional[bool] = None
         #: with several processes, agree on the inf/NaN verdict (all-reduce MAX) so every rank takes the same step
         self.sync_across_ranks = False
+        if not self._enabled:  # torch keeps nothing; the empty slots let the reads below work unguarded
+            self._scale = self._growth_tracker = None
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    @property
+    def policy(self) -> ScalePolicy:
+        """The scale policy in force (``set_growth_factor`` and friends, and checkpoints, change it)."""
+        return ScalePolicy(
+            self._growth_factor, self._backoff_factor, self._growth_interval, self.hysteresis,
+            self.consecutive_hysteresis, self.min_scale, self.max_scale,
+        )
 
     # ------------------------------------------------------------------ state on the device
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
@@ -131,7 +241,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def ensure_initialized(self, device: torch.device) -> None:
         """Create the device-side state now (normally done by the first ``scale()``)."""
-        if self._scale is None:
+        if self._enabled and self._scale is None:
             self._lazy_init_scale_growth_tracker(device)
 
     @property
@@ -140,7 +250,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ the training-step API
     def scale(self, outputs: Any) -> Any:
-        if self.scaling:
+        if self.scaling or not self._enabled:
             return super().scale(outputs)
         tensor = outputs if isinstance(outputs, torch.Tensor) else next(iter(outputs), None)
         if isinstance(tensor, torch.Tensor):
@@ -154,8 +264,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         is (or when finite gradients are so large, beyond ~1e19, that their norm overflows: such a step is
         skipped too). Reusing it spares the separate check pass. Returns whether the verdict was taken.
         """
+        if not self._enabled or self.scaling:
+            return False
         state = self._per_optimizer_states[id(optimizer)]
-        if self.scaling or state["stage"] is not OptState.READY:
+        if state["stage"] is not OptState.READY:
             return False
         self._check_scale_growth_tracker("record_check_from_")
         state["found_inf_per_device"] = {total.device: (~torch.isfinite(total.detach())).float()}
@@ -166,8 +278,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Fold another inf/NaN finding (a device tensor, > 0 when found) into this step's verdict, after the check.
 
         For what the gradients cannot show, e.g. an inf that an FP8 cast saturated into a finite value. The verdict
-        stays 0 or 1 (fused optimizers skip on ``found_inf == 1``); no host sync.
+        stays 0 or 1 (fused optimizers skip on ``found_inf == 1``); no host sync. A disabled scaler skips nothing.
         """
+        if not self._enabled:
+            return
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.READY:
             raise RuntimeError("add_found_inf_() must follow unscale_() (or the check) for this optimizer.")
@@ -222,36 +336,83 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 found[device] = flag
         return found
 
+    def _check_for_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before a fused optimizer's step: find inf/NaN without unscaling (its kernel unscales), as torch does."""
+        self._check_inf_per_device(optimizer)
+
     def _maybe_opt_step(self, optimizer, optimizer_state, *args: Any, **kwargs: Any):  # type: ignore[override]
         # torch pays its one host sync here; keep its answer so the step's outcome is known without another.
         found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
         self.last_skipped_host = found if self.last_skipped_host is None else (self.last_skipped_host or found)
         return None if found else optimizer.step(*args, **kwargs)
 
+    def _fused_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
+        """Hand the optimizer ``grad_scale`` and ``found_inf`` for its fused kernel, as ``GradScaler.step`` does."""
+        scale = self._scale
+        found = [f.to(scale.device, non_blocking=True) for f in optimizer_state["found_inf_per_device"].values()]
+        # one 0/1 flag (fused kernels skip on exactly 1; torch sums the devices' flags)
+        many = len(found) > 1
+        optimizer.found_inf = torch.stack([f.reshape(()) for f in found]).amax() if many else found[0].clone()
+        # gradients unscale_ already divided need no scale; else the scale, times any the user set
+        optimizer.grad_scale = (
+            getattr(optimizer, "grad_scale", None)
+            if optimizer_state["stage"] is OptState.UNSCALED
+            else scale * getattr(optimizer, "grad_scale", 1)
+        )
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """``GradScaler.step``: unscale unless done, then step unless a gradient is inf/NaN.
+
+        A fused optimizer (``_step_supports_amp_scaling``) is not unscaled first: it gets ``grad_scale`` and
+        ``found_inf``, unscales in its kernel and skips on the device, exactly as torch's scaler has it.
+        """
+        if not self._enabled:
+            self.last_skipped_host = False
+            return optimizer.step(*args, **kwargs)
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            return super().step(optimizer, *args, **kwargs)  # torch's deprecated contract: it passes itself
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        if not any(s["stage"] is OptState.STEPPED for s in self._per_optimizer_states.values()):
+            self.last_skipped_host = None  # the first step since update(): a fresh verdict
         state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
+            if fused:
+                self._check_for_fused_step(optimizer)
+            else:
+                self.unscale_(optimizer)
         if not state["found_inf_per_device"]:
             # no parameter of this optimizer has a gradient: nothing to check and nothing would change
-            self._check_scale_growth_tracker("step")
             state["found_inf_per_device"] = {self._scale.device: torch.zeros((), device=self._scale.device)}
         if self.sync_across_ranks and not self.verdict_agrees_across_ranks:
             # a gradient poisoned after DDP's all-reduce exists on one rank only: every rank must skip with it.
             # The collective is enqueued on the device (no host sync).
             for found in state["found_inf_per_device"].values():
                 torch.distributed.all_reduce(found, op=torch.distributed.ReduceOp.MAX)
-        return super().step(optimizer, *args, **kwargs)
+        step = self._fused_step if fused else self._maybe_opt_step
+        retval = step(optimizer, state, *args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return retval
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
         """Update counters and the scale from this step's inf checks, on the device (no host sync)."""
+        if not self._enabled:
+            return
         scale, growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
             super().update(new_scale)
             scale.clamp_(self.min_scale, self.max_scale)
             return
         found_infs = [
-            found_inf.to(device=scale.device, non_blocking=True)
+            found_inf.to(device=scale.device, non_blocking=True).reshape(())
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
@@ -263,29 +424,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         assert counters is not None and self._hysteresis_tracker is not None
         # [steps, skipped_steps, consecutive_skips, last_skipped]
         counters.copy_(torch.stack((counters[0] + 1, counters[1] + skipped, (counters[2] + 1) * skipped, skipped)))
-
         if self.scaling and self.dynamic:
-            tracker = self._hysteresis_tracker
-            tracker_after = tracker - overflow.int()
-            backoff = overflow & (tracker_after <= 0)
-            previous = scale.clone()
-            torch._amp_update_scale_(
-                scale, growth_tracker, backoff.float(), self._growth_factor, self._backoff_factor, self._growth_interval
-            )
-            # an overflow absorbed by hysteresis keeps the scale and restarts the growth count
-            held = overflow & ~backoff
-            scale.copy_(torch.where(held, previous, scale))
-            growth_tracker.masked_fill_(overflow, 0)
-            refill = scale > previous
-            if self.consecutive_hysteresis:
-                refill = refill | ~overflow
-            tracker.copy_(torch.where(refill, torch.full_like(tracker, self.hysteresis), tracker_after))
-            scale.clamp_(self.min_scale, self.max_scale)
+            self.policy.update_(scale, growth_tracker, self._hysteresis_tracker, overflow)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def found_inf(self, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
         """This step's inf/NaN verdict for ``optimizer`` as a device tensor (no sync; valid until ``update()``)."""
-        found = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        state = self._per_optimizer_states.get(id(optimizer))
+        found = list(state["found_inf_per_device"].values()) if state is not None else []
         if not found:
             return None
         return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
@@ -325,7 +471,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """GradScaler's state plus hysteresis, bounds and counters: plain numbers only."""
+        """GradScaler's state plus hysteresis, bounds and counters: plain numbers only (``{}`` when disabled)."""
+        if not self._enabled:
+            return {}
         state = super().state_dict()
         state.update(
             hysteresis=self.hysteresis,
@@ -347,25 +495,53 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load our own state dict or a plain ``torch.amp.GradScaler`` one (its extras keep their values)."""
+        """Load our own state dict or a plain ``torch.amp.GradScaler`` one (its extras keep their values).
+
+        Every value is checked before anything is loaded: a scale that is not a positive float32 number, or a
+        counter that is not a whole number in range, raises ``ValueError`` naming the field and its value.
+        A disabled scaler loads nothing, as torch's.
+        """
+        if not self._enabled:
+            return
+        if not state_dict:
+            raise KeyError("The loss-scaler state is empty, possibly because it was saved from a disabled GradScaler.")
         missing = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"} - set(state_dict)
         if missing:
             raise KeyError(
                 f"Loss-scaler state is missing {sorted(missing)}; it is not a GradScaler/DynamicLossScaler state dict."
             )
-        if self.scaling and state_dict.get("scaling", True):
-            super().load_state_dict(state_dict)
+        torch_state = self._checked_torch_state(state_dict)
         counters = [
-            int(state_dict.get(key, default))
-            for key, default in zip(("steps", "skipped_steps", "consecutive_skips", "last_skipped"), self._counters_now())
+            _check_int(key, state_dict.get(key, now), 0, high, "a count of steps", allow_bool=True)
+            for key, now, high in zip(_COUNTERS, self._counters_now(), (_INT64_MAX,) * 3 + (1,))
         ]
+        tracker = _check_int(
+            "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", self.hysteresis), _INT32.min, _INT32.max,
+            "an int32 tensor; below 0 after overflows past the budget is normal",
+        )
+        if self.scaling and state_dict.get("scaling", True):
+            super().load_state_dict(torch_state)
         self._init_counters = counters
         if self._counters is not None:
             self._counters.copy_(torch.tensor(counters, dtype=torch.int64))
-        tracker = int(state_dict.get("_hysteresis_tracker", self.hysteresis))
         self._init_hysteresis_tracker = tracker
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(tracker)
+
+    @staticmethod
+    def _checked_torch_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+        """GradScaler's five entries, checked, as plain floats and ints."""
+        growth_factor, backoff_factor = _check_factors(state_dict["growth_factor"], state_dict["backoff_factor"])
+        return {
+            "scale": _check_scale("scale", state_dict["scale"], smallest=0.0),
+            "growth_factor": growth_factor,
+            "backoff_factor": backoff_factor,
+            "growth_interval": _check_growth_interval(state_dict["growth_interval"]),
+            "_growth_tracker": _check_int(
+                "_growth_tracker", state_dict["_growth_tracker"], 0, _INT32.max,
+                "clean steps since the last growth, in an int32 tensor",
+            ),
+        }
 
     def _counters_now(self) -> list[int]:
         return [self._counter(i) for i in range(4)]
@@ -379,6 +555,62 @@ class DynamicLossScaler(torch.amp.GradScaler):
         state["_hysteresis_tracker"] = None
         return state
 
+    # ------------------------------------------------------------------ what lightning_mp.step uses
+    @classmethod
+    def adopt(cls, given: torch.amp.GradScaler, *, sharded: bool = False) -> "DynamicLossScaler":
+        """The scaler a user handed to ``MPPlugin(scaler=...)``: ours as it is; torch's settings and state carried over."""
+        if isinstance(given, DynamicLossScaler):
+            return given
+        if not isinstance(given, torch.amp.GradScaler):
+            raise TypeError(
+                f"MPPlugin(scaler=...) takes a torch.amp.GradScaler or a lightning_mp.DynamicLossScaler, not"
+                f" {type(given).__name__}."
+            )
+        target = ShardedDynamicLossScaler if sharded else DynamicLossScaler
+        if not given.is_enabled():  # a disabled GradScaler keeps no settings: ours is disabled too
+            return target(given._device, enabled=False)
+        scale = given._init_scale if given._scale is None else float(given.get_scale())
+        scaler = target(
+            given._device,
+            init_scale=scale,
+            growth_factor=given._growth_factor,
+            backoff_factor=given._backoff_factor,
+            growth_interval=given._growth_interval,
+            min_scale=min(1.0, scale),
+            max_scale=max(2.0**24, scale),
+        )
+        if given._scale is not None:
+            scaler.load_state_dict(given.state_dict())
+        return scaler
+
+    @property
+    def device_type(self) -> str:
+        return self._device
+
+    @property
+    def scale_device(self) -> torch.device:
+        """Where the scale and the verdicts live."""
+        return self._scale.device if self._scale is not None else torch.device(self._device)
+
+    def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        """This optimizer's place in torch's protocol since its last step (READY, UNSCALED, STEPPED)."""
+        state = self._per_optimizer_states.get(id(optimizer))
+        return OptState.READY if state is None else state["stage"]
+
+    def forget(self, optimizer: torch.optim.Optimizer) -> None:
+        """This optimizer's step is over (or abandoned); the scale moves once per batch, in :meth:`update_from`."""
+        self._per_optimizer_states.pop(id(optimizer), None)
+
+    def update_from(self, verdicts: list[torch.Tensor]) -> None:
+        """One update for a training batch, from the verdicts of every optimizer that stepped in it (device flags)."""
+        if not self._enabled:
+            return
+        scale, _ = self._check_scale_growth_tracker("update")
+        found = torch.stack([v.to(scale.device).reshape(()).float() for v in verdicts]).amax()
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: found}
+        self.update()
+
 
 class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
     """:class:`DynamicLossScaler` on top of torch's ``ShardedGradScaler``, for FSDP.
@@ -388,6 +620,7 @@ class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
     check-only mode are :class:`DynamicLossScaler`'s. MPPlugin picks it under Lightning's FSDP strategy.
     """
 
+    sharded = True
     # unscale_ sums the verdict over the process group, and one taken from FSDP's clip_grad_norm_ comes from the
     # norm of all shards: a second all-reduce would be redundant (and fail on CPU-offloaded flags under NCCL)
     verdict_agrees_across_ranks = True
@@ -401,3 +634,7 @@ class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
             dev: f.reshape(()).clamp_(max=1.0) for dev, f in state["found_inf_per_device"].items()
         }
 
+    def _check_for_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # torch's check-only pass would leave each rank with its own shards' verdict: unscale here instead (the
+        # verdict is then the process group's), and the fused kernel gets grad_scale=None, as after any unscale_
+        self.unscale_(optimizer)

@@ -1,16 +1,97 @@
-"""StepStats: what the precision machinery did on the last optimizer step — the one interface callbacks read."""
+"""StepStats: what the precision machinery did on the last optimizer steps — the one interface callbacks read."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-import torch
+from torch import Tensor
 
-from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp._host import HostCopy
 
 
 class NonFiniteTrainingError(RuntimeError):
     """Raised when too many optimizer steps in a row had inf/NaN gradients and were skipped."""
+
+
+class OptimizerStats:
+    """One optimizer's step counters. Verdicts only the device knows (fused optimizers) are read a step late.
+
+    Example::
+
+        plugin.stats.per_optimizer[1].skipped_steps   # the second optimizer's skipped steps
+    """
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._skipped_steps = 0
+        self._consecutive = 0
+        self._last = False
+        self._pending = HostCopy()  # a device verdict on its way to the host
+        self._has_pending = False
+
+    def record(self, skipped: Optional[bool], verdict: Optional[Tensor]) -> None:
+        """One step ran: ``skipped`` when the host knows, else ``verdict`` (a device flag, non-zero: skipped)."""
+        self._settle()
+        self.steps += 1
+        if skipped is None and verdict is not None:
+            self._pending.start(verdict.reshape(()).ne(0))
+            self._has_pending = True
+        else:
+            self._apply(bool(skipped))
+
+    def _apply(self, skipped: bool) -> None:
+        self._last = skipped
+        self._skipped_steps += int(skipped)
+        self._consecutive = self._consecutive + 1 if skipped else 0
+
+    def _settle(self) -> None:
+        if self._has_pending:
+            self._has_pending = False
+            self._apply(bool(self._pending.value()))
+
+    def consecutive_known(self) -> Optional[int]:
+        """Skips in a row as far as the host knows without waiting (``None``: the last verdict is still on its way)."""
+        if self._has_pending and not self._pending.ready():
+            return None
+        self._settle()
+        return self._consecutive
+
+    def last_skipped_known(self) -> Optional[bool]:
+        """Whether the last step was skipped, if the host knows without waiting (``None``: not yet)."""
+        if self._has_pending and not self._pending.ready():
+            return None
+        self._settle()
+        return self._last
+
+    @property
+    def skipped_steps(self) -> int:
+        self._settle()
+        return self._skipped_steps
+
+    @property
+    def consecutive_skips(self) -> int:
+        self._settle()
+        return self._consecutive
+
+    @property
+    def last_skipped(self) -> bool:
+        self._settle()
+        return self._last
+
+    def state_dict(self) -> dict[str, int]:
+        self._settle()
+        return {"steps": self.steps, "skipped_steps": self._skipped_steps, "consecutive_skips": self._consecutive}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        values = {}
+        for key in ("steps", "skipped_steps", "consecutive_skips"):
+            value = state.get(key, 0)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"The checkpoint's step counter {key}={value!r} is corrupted: it must be an integer >= 0.")
+            values[key] = value
+        self._has_pending = False
+        self.steps, self._skipped_steps, self._consecutive = values["steps"], values["skipped_steps"], values["consecutive_skips"]
+        self._last = self._consecutive > 0
 
 
 class StepStats:
@@ -23,78 +104,91 @@ class StepStats:
         trainer.fit(model)
         plugin.stats.skipped_steps, plugin.stats.loss_scale
 
-    The values live on the device while training runs; each read of a property copies one number to
-    the host (a sync on CUDA), so read them on logging steps, not on every step. ``as_dict()`` reads
-    everything with a single copy.
+    Totals are over all optimizers; ``per_optimizer`` has each optimizer's own counters (the divergence stop
+    counts each optimizer's streak apart). Reading the loss scale or the gradient norm copies one number to the
+    host (a sync on CUDA): read them on logging steps. ``as_dict()`` reads everything at once.
     """
 
-    def __init__(self, scaler: Optional[DynamicLossScaler]) -> None:
+    def __init__(self, scaler: Optional[Any] = None) -> None:
         self._scaler = scaler
-        self._grad_norm: Optional[torch.Tensor] = None
+        self._grad_norm: Optional[Tensor] = None
+        self.per_optimizer: list[OptimizerStats] = []
+        self._namer: Optional[Callable[[Tensor], Optional[str]]] = None
 
-    def record_grad_norm(self, norm: torch.Tensor) -> None:
+    def set_optimizers(self, stats: list[OptimizerStats]) -> None:
+        self.per_optimizer = list(stats)
+
+    def set_scaler(self, scaler: Optional[Any]) -> None:
+        self._scaler = scaler
+
+    def set_namer(self, namer: Optional[Callable[[Tensor], Optional[str]]]) -> None:
+        self._namer = namer
+
+    def record_grad_norm(self, norm: Tensor, index: int = 0) -> None:
         """Keep the (unscaled) gradient norm computed by clipping; stays on the device."""
         self._grad_norm = norm.detach()
 
+    def name_of(self, tensor: Tensor) -> Optional[str]:
+        """The model's name for a tensor the optimizer steps: a parameter, or the fp32 stand-in of a half one.
+
+        Inside a step (e.g. in ``on_before_optimizer_step``) the param groups of a true-half run hold fp32
+        stand-ins for the half parameters; this names them after the model's parameters.
+        """
+        return self._namer(tensor) if self._namer is not None else None
+
+    def skipped_known(self) -> Optional[bool]:
+        """Whether any optimizer's last step was skipped, as far as the host knows without waiting (never syncs)."""
+        known = [s.last_skipped_known() for s in self.per_optimizer]
+        if any(k is True for k in known):
+            return True
+        return None if any(k is None for k in known) else False
+
     @property
     def skipped(self) -> bool:
-        """Whether the last optimizer step was skipped because of inf/NaN gradients."""
-        return self._scaler.last_skipped if self._scaler is not None else False
+        """Whether the last step of any optimizer was skipped because of inf/NaN gradients."""
+        return any(s.last_skipped for s in self.per_optimizer)
 
     @property
     def skipped_steps(self) -> int:
-        """Total optimizer steps skipped so far (restored from checkpoints)."""
-        return self._scaler.skipped_steps if self._scaler is not None else 0
+        """Optimizer steps skipped so far, over all optimizers (restored from checkpoints)."""
+        return sum(s.skipped_steps for s in self.per_optimizer)
 
     @property
     def consecutive_skips(self) -> int:
-        """Skipped steps in a row up to the last step (0 after a clean step)."""
-        return self._scaler.consecutive_skips if self._scaler is not None else 0
+        """The longest current streak of skipped steps of one optimizer (0 after clean steps)."""
+        return max((s.consecutive_skips for s in self.per_optimizer), default=0)
 
     @property
     def steps(self) -> int:
-        """Optimizer steps attempted, skipped ones included."""
-        return self._scaler.steps if self._scaler is not None else 0
+        """Optimizer steps attempted, skipped ones included, over all optimizers."""
+        return sum(s.steps for s in self.per_optimizer)
 
     @property
     def loss_scale(self) -> Optional[float]:
         """The current loss scale, or ``None`` when the mode does not scale the loss."""
-        if self._scaler is None or not self._scaler.scaling:
+        return self._loss_scale()
+
+    def _loss_scale(self) -> Optional[float]:
+        scaler = self._scaler
+        if scaler is None or not getattr(scaler, "scaling", False) or not scaler.is_enabled():
             return None
-        return self._scaler.get_scale()
+        return scaler.get_scale()
 
     @property
     def grad_norm(self) -> Optional[float]:
         """The unscaled gradient norm of the last step, when gradient clipping by norm computed it."""
-        return None if self._grad_norm is None else self._grad_norm.item()
+        return None if self._grad_norm is None else float(self._grad_norm.item())
 
     def as_dict(self) -> dict[str, Any]:
-        """All figures at once (one host copy)."""
-        scaler = self._scaler
-        counters = scaler.counters_tensor() if scaler is not None else None
-        if counters is None:
-            steps, skipped_steps, consecutive, last = (scaler._counters_now() if scaler is not None else [0, 0, 0, 0])
-            scale = None if scaler is None or not scaler.scaling else scaler.get_scale()
-            grad_norm = self.grad_norm
-        else:
-            parts = [counters.double()]
-            if scaler.scaling:
-                parts.append(scaler._get_scale_async().double().reshape(1))
-            norm = self._grad_norm
-            norm_along = norm is not None and norm.device == counters.device
-            if norm_along:  # the same host copy
-                parts.append(norm.detach().double().reshape(1))
-            values = torch.cat(parts).tolist()
-            steps, skipped_steps, consecutive, last = (int(v) for v in values[:4])
-            scale = values[4] if scaler.scaling else None
-            grad_norm = values[-1] if norm_along else self.grad_norm
+        """All figures at once."""
+        per = self.per_optimizer
         return {
-            "steps": steps,
-            "skipped_steps": skipped_steps,
-            "consecutive_skips": consecutive,
-            "skipped": bool(scaler.last_skipped_host) if scaler is not None and scaler.last_skipped_host is not None else bool(last),
-            "loss_scale": scale,
-            "grad_norm": grad_norm,
+            "steps": sum(s.steps for s in per),
+            "skipped_steps": sum(s.skipped_steps for s in per),
+            "consecutive_skips": max((s.consecutive_skips for s in per), default=0),
+            "skipped": any(s.last_skipped for s in per),
+            "loss_scale": self._loss_scale(),
+            "grad_norm": None if self._grad_norm is None else float(self._grad_norm.item()),
         }
 
     def __repr__(self) -> str:

@@ -298,8 +298,8 @@ def test_is_picklable_and_arguments_are_validated():
             NonFiniteDetector(**kwargs)
 
 
-def test_with_mpplugin_bf16_the_detector_pass_is_the_plugins_inf_check(check_passes):
-    """One read of the gradients serves both: the plugin takes its skip verdict from the detector's maxima."""
+def test_with_mpplugin_bf16_the_detector_only_reads(check_passes):
+    """Callbacks are read-only: the plugin takes its own verdict, after every hook; the detector changes nothing."""
     import math
 
     from conftest import StepRecorder, TinyRegressor, assert_state_equal, make_trainer
@@ -310,7 +310,9 @@ def test_with_mpplugin_bf16_the_detector_pass_is_the_plugins_inf_check(check_pas
     recorder = StepRecorder()
     model = TinyRegressor(optimizer="adamw_fused", poison_grad=(2,), poison_value=math.nan)
     plugin = MPPlugin("bf16")
-    make_trainer(plugin, max_steps=4, callbacks=[recorder, NonFiniteDetector(action="warn")]).fit(model)
-    assert calls == []
+    detector = NonFiniteDetector(action="warn")
+    with pytest.warns(UserWarning, match="gradient of parameter net1.weight"):
+        make_trainer(plugin, max_steps=4, callbacks=[recorder, detector]).fit(model)
+    assert len(calls) == 4  # the plugin's own check, once a step
     assert_state_equal(recorder.before[2], recorder.after[2])
     assert plugin.stats.skipped_steps == 1

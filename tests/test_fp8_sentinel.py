@@ -191,12 +191,19 @@ def test_amax_mode_ignores_reductions_while_the_model_evaluates(manager):
 
 
 def test_seeding_optimizer_masters_needs_the_te_interface_and_an_unchanged_weight():
-    from lightning_mp.master import keeps_own_masters, seed_optimizer_masters
+    from lightning_mp.master import cast_module_, keeps_own_masters, seed_optimizer_masters
 
-    p = torch.nn.Parameter(torch.tensor([1.0 + 2**-12, 2.0]).bfloat16())
     original = torch.tensor([1.0 + 2**-12, 2.0])
+
+    def cast_param() -> torch.nn.Parameter:
+        holder = torch.nn.Module()
+        holder.p = torch.nn.Parameter(original.clone())
+        cast_module_(holder, torch.bfloat16)  # remembers the fp32 value it replaced
+        return holder.p
+
+    p = cast_param()
     plain = torch.optim.AdamW([p])
-    assert not keeps_own_masters(plain) and seed_optimizer_masters(plain, {id(p): original}) == 0
+    assert not keeps_own_masters(plain) and seed_optimizer_masters(plain) == 0
 
     class Own(torch.optim.SGD):
         master_weights = True
@@ -210,9 +217,12 @@ def test_seeding_optimizer_masters_needs_the_te_interface_and_an_unchanged_weigh
 
     opt = Own([p], lr=0.1)
     assert keeps_own_masters(opt)
-    assert seed_optimizer_masters(opt, {id(p): original}) == 1
+    assert seed_optimizer_masters(opt) == 1
     assert torch.equal(opt.state[p]["master_param"], original)  # the exact fp32 value, not its bf16 rounding
-    changed = torch.tensor([3.0, 2.0])  # no longer what the bf16 weight holds: its own value is the truth
-    assert seed_optimizer_masters(Own([p], lr=0.1), {id(p): changed}) == 0
-    opt.store_param_remainders = True  # masters as 16 extra bits of the bf16 weight: not settable to any fp32
-    assert seed_optimizer_masters(opt, {id(p): original}) == 0
+    changed = cast_param()
+    with torch.no_grad():
+        changed.mul_(2)  # written since the cast: its own value is the truth
+    assert seed_optimizer_masters(Own([changed], lr=0.1)) == 0
+    remainders = Own([cast_param()], lr=0.1)
+    remainders.store_param_remainders = True  # masters as 16 extra bits of the bf16 weight: not settable to any fp32
+    assert seed_optimizer_masters(remainders) == 0

@@ -126,8 +126,11 @@ def test_guards_are_idempotent_removable_and_survive_copies():
         assert len(copied.ln._forward_pre_hooks) == 1
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert copied.ln(copied.proj(torch.randn(2, 8))).dtype == torch.float32
+    del model.gn.__dict__["forward"]  # as pickled when only LayerNorms had the guard's forward: put back
+    assert apply_fp32_guards(model) == DEFAULT_NAMES and "forward" in model.gn.__dict__
     assert sorted(remove_fp32_guards(model)) == sorted(DEFAULT_NAMES)
     assert not model.ln._forward_pre_hooks and fp32_guard_of(model.ln) is None
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 # --------------------------------------------------------------------------------------------- in a Trainer
@@ -495,8 +498,294 @@ def test_a_failing_compiled_kernel_falls_back_to_the_eager_upcast(fused_stand_in
 
 
 def test_only_plain_layer_norms_get_the_compiled_forward():
-    model = nn.Sequential(nn.LayerNorm(8), OwnForwardLayerNorm(8), nn.GroupNorm(2, 8))
+    own = nn.LayerNorm(8)
+    own.forward = lambda x: nn.LayerNorm.forward(own, x) + 1  # a forward set on the instance: kept, no kernel
+    model = nn.Sequential(nn.LayerNorm(8), OwnForwardLayerNorm(8), nn.GroupNorm(2, 8), own)
     apply_fp32_guards(model)
-    assert "forward" in model[0].__dict__ and "forward" not in model[1].__dict__ and "forward" not in model[2].__dict__
+    fused = [fp32_guard_of(m).fused_layer_norm for m in model]
+    assert fused == [True, False, False, False]
+    assert all("forward" in m.__dict__ for m in model)  # every guarded module: the guard's forward
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(model[3](x), F.layer_norm(x, (8,)) + 1)
     remove_fp32_guards(model)
-    assert "forward" not in model[0].__dict__
+    assert not any("forward" in m.__dict__ for m in model[:3])
+    torch.testing.assert_close(model[3](x), F.layer_norm(x, (8,)) + 1)  # its own forward back
+
+
+# --------------------------------------------------------------------------------------------- inference mode
+class _EvalNet(nn.Module):
+    """Linear -> LayerNorm -> BatchNorm -> Linear -> Softmax, and a CrossEntropyLoss on the logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.ln = nn.LayerNorm(16)
+        self.bn = nn.BatchNorm1d(16)
+        self.fc2 = nn.Linear(16, 4)
+        self.softmax = nn.Softmax(-1)
+        self.loss = nn.CrossEntropyLoss()
+
+    def forward(self, x, y):
+        logits = self.fc2(self.bn(self.ln(self.fc1(x))))
+        return self.softmax(logits), self.loss(logits, y)
+
+
+def _layout(name: str, model: nn.Module, names: list, x: torch.Tensor):
+    """The model, input and forward context of a layout: bf16 autocast, or true-half as MPPlugin('bf16-true')."""
+    from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+
+    if name == "autocast":
+        return model, x, lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    cast_module_(model, torch.bfloat16, keep_fp32=names)
+    return model, x.bfloat16(), lambda: _DtypeContextManager(torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["autocast", "true-half"])
+@pytest.mark.parametrize("train", [True, False])
+def test_guards_run_under_inference_mode(layout, train):
+    """Lightning validates/tests/predicts under inference_mode (and a frozen teacher may run under it in training)."""
+    torch.manual_seed(0)
+    model = _EvalNet()
+    names = apply_fp32_guards(model)
+    assert names == ["ln", "bn", "softmax", "loss"]
+    model, x, context = _layout(layout, model, names, torch.randn(6, 8) * 3)
+    model.train(train)
+    y = torch.randint(0, 4, (6,))
+    reference, inferred = copy.deepcopy(model), copy.deepcopy(model)
+    with context():
+        expected = reference(x, y)
+        with torch.inference_mode():
+            got = inferred(x, y)
+            helper = fp32_layer_norm(x @ torch.ones(8, 16, dtype=x.dtype), 16)
+        helper_expected = fp32_layer_norm(x @ torch.ones(8, 16, dtype=x.dtype), 16)
+    for a, b in zip(got, expected):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert helper.dtype == helper_expected.dtype and torch.equal(helper, helper_expected)
+    assert torch.equal(inferred.bn.running_mean, reference.bn.running_mean)
+    assert not any(fp32_guard_of(m)._open for m in model.modules() if fp32_guard_of(m) is not None)
+
+
+def test_guards_take_inference_tensors_with_grad_enabled():
+    """Inputs made under inference_mode (cached teacher outputs) reach a guarded norm in a training forward."""
+    model = _guarded_ln(16)
+    with torch.inference_mode():
+        x = torch.randn(4, 16).bfloat16()
+    out = model(x)
+    assert out.dtype is torch.bfloat16
+    out.float().sum().backward()
+    assert model[0].weight.grad is not None
+    assert fp32_layer_norm(x, 16).dtype is torch.bfloat16
+
+
+# --------------------------------------------------------------------------------------------- integer inputs
+class _Tokens(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, idx):
+        return self.head(self.embed(idx))
+
+
+def test_guarded_embedding_in_a_true_half_model_hands_back_the_model_dtype():
+    from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+
+    model = _Tokens()
+    names = apply_fp32_guards(model, ["defaults", "Embedding"])
+    assert names == ["embed"]
+    cast_module_(model, torch.bfloat16, keep_fp32=names)
+    idx = torch.randint(0, 10, (3, 5))
+    seen = []
+    model.head.register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    with _DtypeContextManager(torch.bfloat16):  # MPPlugin's forward context in true-half modes
+        out = model(idx)
+    out.float().sum().backward()
+    assert seen == [torch.bfloat16] and out.dtype is torch.bfloat16
+    assert model.embed.weight.dtype is model.embed.weight.grad.dtype is torch.float32
+    assert model.head.weight.grad.dtype is torch.bfloat16
+    # the values: the fp32 embedding rows rounded once to bf16
+    torch.testing.assert_close(out, model.head(model.embed.weight[idx].bfloat16()))
+    # without a half default dtype (a plain fp32 model) or under autocast, the fp32 output stays
+    plain = _Tokens()
+    apply_fp32_guards(plain, ["Embedding"])
+    assert plain.embed(idx).dtype is torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert plain.embed(idx).dtype is torch.float32
+
+
+def test_guarded_embedding_trains_in_bf16_true():
+    class TokenNet(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _Tokens()
+
+        def training_step(self, batch, batch_idx):
+            idx, y = batch
+            return F.cross_entropy(self.net(idx).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(0)
+            idx, y = torch.randint(0, 10, (8, 5), generator=g), torch.randint(0, 4, (8, 5), generator=g)
+            return DataLoader(TensorDataset(idx, y), batch_size=4)
+
+    model = TokenNet()
+    before = model.net.embed.weight.detach().clone()
+    make_trainer(MPPlugin("bf16-true", fp32_modules=["defaults", "Embedding"]), max_steps=1).fit(model)
+    assert model.net.embed.weight.dtype is torch.float32 and model.net.head.weight.dtype is torch.bfloat16
+    assert not torch.equal(model.net.embed.weight, before)
+
+
+# --------------------------------------------------------------------------------------------- torch.compile
+class _Block(nn.Module):
+    """A small pre-norm transformer block: LayerNorm -> attention -> LayerNorm -> MLP."""
+
+    def __init__(self, sdpa: bool, d: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.sdpa, self.heads = sdpa, heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.softmax = nn.Softmax(-1)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        if self.sdpa:
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            a = self.softmax(q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5) @ v
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+def _run(model, x):
+    x = x.detach().clone().requires_grad_(True)
+    out = model(x)
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    grads = [x.grad, *(p.grad for p in model.parameters())]
+    for p in model.parameters():
+        p.grad = None
+    return out, grads
+
+
+class _AutocastInside(nn.Module):
+    """The model's forward inside the compiled function's own autocast block."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.inner(x)
+
+
+@pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "softmax-module"])
+@pytest.mark.parametrize("layout", ["autocast", "autocast-inside", "true-half"])
+def test_default_guards_add_no_graph_breaks_under_torch_compile(layout, sdpa):
+    torch.manual_seed(0)
+    model = _Block(sdpa)
+    names = apply_fp32_guards(model)
+    assert names == ["ln1", "softmax", "ln2"]
+    model, x, context = _layout(layout.replace("-inside", ""), model, names, torch.randn(2, 5, 16))
+    if layout == "autocast-inside":  # e.g. a compiled training step that enters autocast itself
+        model, context = _AutocastInside(model), contextlib.nullcontext
+    torch._dynamo.reset()
+    try:
+        with context():
+            explained = torch._dynamo.explain(model)(x)
+            reasons = [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+            assert explained.graph_break_count == 0, reasons
+            assert explained.graph_count == 1
+            compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+            out, grads = _run(compiled, x)
+            ref_out, ref_grads = _run(model, x)
+    finally:
+        torch._dynamo.reset()
+    assert out.dtype == ref_out.dtype == (torch.bfloat16 if layout == "true-half" else torch.float32)
+    torch.testing.assert_close(out, ref_out)
+    for a, b in zip(grads, ref_grads):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)
+    assert all(not fp32_guard_of(m)._open for m in model.modules() if fp32_guard_of(m) is not None)
+    assert torch.get_default_dtype() is torch.float32 and not torch.is_autocast_enabled("cpu")
+
+
+def test_compiled_fp32_functions_add_no_graph_breaks():
+    def fn(x, w, b):
+        with fp32_region():
+            total = x.float().sum(-1, keepdim=True)
+        return fp32_softmax(x, -1) + fp32_log_softmax(x, -1) + fp32_layer_norm(x, 16, w, b) + total.to(x.dtype)
+
+    def fn_autocast(x, w, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return fn(x, w, b)
+
+    x, w, b = torch.randn(4, 16).bfloat16(), torch.randn(16), torch.randn(16)
+    for autocast, f in ((False, fn), (True, fn), (False, fn_autocast)):
+        torch._dynamo.reset()
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                explained = torch._dynamo.explain(f)(x, w, b)
+                reasons = [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+                assert explained.graph_break_count == 0, reasons
+                got = torch.compile(f, backend="aot_eager", fullgraph=True)(x, w, b)
+                expected = f(x, w, b)
+                assert torch.is_autocast_enabled("cpu") is autocast
+        finally:
+            torch._dynamo.reset()
+        assert got.dtype == expected.dtype == (torch.float32 if autocast or f is fn_autocast else torch.bfloat16)
+        assert torch.equal(got, expected)
+
+
+class _Router(nn.Module):
+    """A guarded Linear (a MoE router); ``breaks``: its own code breaks the graph, as data-dependent routing does."""
+
+    def __init__(self, log: list, breaks: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.log = log
+        self.breaks = breaks
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.breaks:
+            torch._dynamo.graph_break()
+            self.log.append((torch.is_autocast_enabled("cpu"), h.dtype))
+        else:
+            self.log.append((False, h.dtype))
+        return self.lin(h)
+
+
+@pytest.mark.parametrize("inside", [False, True], ids=["autocast", "autocast-inside"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("breaks", [True, False], ids=["graph-break", "one-graph"])
+def test_a_guarded_linear_runs_in_fp32_under_torch_compile(backend, inside, breaks):
+    """Autocast is off in a guarded module's forward, in one graph and where its own code breaks the graph."""
+    log = []
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Router(log, breaks), nn.Linear(8, 8))
+    apply_fp32_guards(model, ["_Router"])
+    outputs = []
+    model[1].register_forward_hook(lambda m, a, out: outputs.append(out))
+    x = torch.randn(2, 8)
+    torch._dynamo.reset()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not inside):
+            run = _AutocastInside(model) if inside else model
+            got = torch.compile(run, backend=backend, fullgraph=not breaks)(x)
+            expected = run(x)
+            assert torch.is_autocast_enabled("cpu") is not inside
+    finally:
+        torch._dynamo.reset()
+    assert log == [(False, torch.float32)] * 2  # compiled and eager: the router in fp32, autocast off
+    assert outputs[0].dtype is outputs[1].dtype is torch.float32 and torch.equal(outputs[0], outputs[1])
+    assert torch.equal(got, expected)
+    assert not fp32_guard_of(model[1])._open

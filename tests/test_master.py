@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MPPlugin
 from lightning_mp.master import (
+    fp32_original,
     FP32MasterWeights,
     attach_master_weights,
     cast_module_,
@@ -135,14 +136,15 @@ def test_weights_masters_and_optimizer_state_dtypes(mode, kind):
     }
     opt = trainer.optimizers[0]
     stepped = opt.param_groups[0]["params"]
+    # masters are invisible: the param groups hold the model's own parameters, the optimizer state is fp32
+    assert all(p is q for p, q in zip(stepped, model.parameters()))
+    for p in model.parameters():  # fp32 with masters; with plain half weights, the parameter's own dtype
+        want = p.dtype if kind == "none" else torch.float32
+        assert all(t.dtype == want for k, t in opt.state[p].items() if k != "step"), (kind, p.shape)
     if kind == "fp32":
-        assert [p.dtype for p in stepped] == [torch.float32] * 6  # the masters (and the fp32 LayerNorm)
-        assert all(p is not q for p, q in zip(stepped, model.parameters()) if q.dtype == half)
         for p in model.parameters():  # the half weights are the masters rounded
             master = plugin.masters.master_of(p)
-            assert master is None if p.dtype == torch.float32 else torch.equal(master.to(half), p)
-    else:
-        assert all(p is q for p, q in zip(stepped, model.parameters()))
+            assert master.dtype == torch.float32 and torch.equal(master.to(half), p) if p.dtype == half else master is None
     assert {t.dtype for t in state_tensors(opt)} == ({half, torch.float32} if kind == "none" else {torch.float32})
     if (mode, kind) == ("fp16-true", "none"):
         return  # Adam on fp16 state: eps=1e-8 and small squared gradients underflow to 0, the run goes NaN
@@ -271,14 +273,17 @@ class OneWeight(LightningModule):
         return DataLoader(TensorDataset(torch.tensor(self.cs)), batch_size=1)
 
     def on_before_optimizer_step(self, optimizer):
-        self.grads.append(float(optimizer.param_groups[0]["params"][0].grad.float().sum()))
+        # what the optimizer will apply (and clipping sees): the fp32 gradient of the master, where there is one
+        stepped = list(self.trainer.precision_plugin.main_params(optimizer))[0]
+        self.grads.append(float(stepped.grad.float().sum()))
 
 
 def test_micro_batches_accumulate_in_fp32():
     # per micro-batch gradients 1, 2**-8, 2**-8, 2**-8 (the loss is divided by 4): in bf16, 1 + 2**-8 rounds to 1
     cs = [4.0, 2.0**-6, 2.0**-6, 2.0**-6]
     exact = 1 + 3 * 2.0**-8
-    for kind, expected in [("fp32", exact), ("kahan", 1.0), ("none", 1.0)]:
+    # (every kind of master weights sums micro-batches in fp32; plain half weights sum in half, as Lightning's bf16-true)
+    for kind, expected in [("fp32", exact), ("kahan", exact), ("stochastic", exact), ("none", 1.0)]:
         model = OneWeight(cs)
         make_trainer(MPPlugin("bf16-true", master_weights=kind), max_steps=1, accumulate_grad_batches=4).fit(model)
         assert model.grads == [expected], kind
@@ -463,7 +468,7 @@ def test_resume_in_another_mode_or_kind_keeps_the_fp32_values(tmp_path):
     trainer, _, mixed = fit("bf16", None, 4)
     trainer.save_checkpoint(path)
     restored = Restored()
-    with pytest.warns(UserWarning, match="no master weights; master_weights='fp32' starts from the checkpoint's fp32"):
+    with pytest.warns(UserWarning, match="no master weights; master_weights='fp32' starts from the checkpoint's weights"):
         make_trainer(MPPlugin("bf16-true"), max_steps=5, callbacks=[restored]).fit(HalfNet(), ckpt_path=path)
     assert restored.params["net1.weight"].dtype == torch.bfloat16
     assert torch.equal(restored.masters["masters"]["net1.weight"], mixed.net1.weight)
@@ -631,7 +636,7 @@ def test_fp32_masters_start_from_the_exact_fp32_weights():
     assert set(probe.half.values()) == {torch.bfloat16}
     for name, value in original.items():
         assert torch.equal(probe.masters[name], value), name
-    assert plugin._fp32_init == {} and plugin.masters._initial == {}  # nothing kept alive after set-up
+    assert all(fp32_original(p) is None for p in model.parameters())  # nothing kept alive once the masters exist
 
 
 def test_fp16_weights_without_masters_warn_about_adam_eps(recwarn):

@@ -221,9 +221,10 @@ def test_training_step_returning_none_is_left_alone():
             loss = super().training_step(batch, batch_idx)
             return None if batch_idx == 1 else loss
 
+    # as Lightning's 32-true: the optimizer step runs (with whatever gradients there are; here none)
     plugin = MPPlugin("fp16", init_scale=2.0**8)
     make_trainer(plugin, max_steps=4).fit(Sometimes())
-    assert plugin.stats.steps == 3 and plugin.stats.skipped_steps == 0
+    assert plugin.stats.steps == 4 and plugin.stats.skipped_steps == 0 and plugin.stats.loss_scale == 2.0**8
 
 
 def test_grads_are_released_after_the_step_unless_disabled():
@@ -298,13 +299,22 @@ def test_static_loss_scale():
     assert plugin.stats.loss_scale == 128.0 and plugin.stats.skipped_steps == 1
 
 
-def test_lbfgs_is_refused_with_advice():
+def test_lbfgs_runs_checked_where_it_can_and_is_refused_with_advice_where_not():
     class WithLBFGS(TinyRegressor):
         def configure_optimizers(self):
-            return torch.optim.LBFGS(self.parameters())
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
 
-    with pytest.raises(Exception, match="LBFGS.*skip_nonfinite=False"):
+    with pytest.raises(Exception, match="LBFGS evaluates its closure.*loss scale.*'fp32', 'tf32' or 'bf16'"):
         make_trainer(MPPlugin("fp16"), max_steps=1).fit(WithLBFGS())
+    for mode in ("fp32", "bf16"):
+        model = WithLBFGS(poison_grad=(2,))
+        plugin = MPPlugin(mode)
+        recorder = StepRecorder()
+        make_trainer(plugin, max_steps=4, callbacks=[recorder]).fit(model)
+        assert plugin.stats.steps == 4 and plugin.stats.skipped_steps == 1, mode
+        for name, value in recorder.before[2]["params"].items():  # the poisoned step changed nothing
+            assert torch.equal(value, recorder.after[2]["params"][name]), (mode, name)
+        assert not torch.equal(recorder.before[1]["params"]["net1.weight"], recorder.after[1]["params"]["net1.weight"])
 
 
 def test_bf16_clipping_by_norm_gives_the_nonfinite_verdict_without_a_second_pass(check_passes):

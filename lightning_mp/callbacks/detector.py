@@ -328,19 +328,12 @@ class NonFiniteDetector(Callback):
                 g = g._values() if g.is_sparse else g
                 if g.numel() == 0:
                     continue
-                grouped[(g.device, g.dtype)].append((self._param_names.get(id(p), "?"), g))
+                grouped[(g.device, g.dtype)].append((self._param_name(trainer, p), g))
         maxima = []
         for entries in grouped.values():
             maxima.append(_absmax_each([g for _, g in entries]))
             rec.par_names.extend(n for n, _ in entries)
         rec.par_values.extend(maxima)
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
-        if maxima and hasattr(scaler, "record_check_from_") and not scaler.scaling:
-            # MPPlugin without loss scaling checks every gradient for inf/NaN after this hook: this pass has
-            # just read them all, so it gives the verdict and the plugin skips its own pass
-            devices = {m.device for m in maxima}
-            if len(devices) == 1:
-                scaler.record_check_from_(getattr(optimizer, "_optimizer", optimizer), torch.cat(maxima).max())
         if self.action == "skip" and trainer.scaler is None and rec.par_values:
             # nothing else skips this step: decide on the host (one sync) and leave the parameters alone
             latest = torch.cat(rec.par_values)
@@ -382,13 +375,20 @@ class NonFiniteDetector(Callback):
             self._pending.append(rec)
         return rec
 
+    def _param_name(self, trainer: Trainer, param: Tensor) -> str:
+        name = self._param_names.get(id(param))
+        if name is None:  # MPPlugin's fp32 stand-in of a half parameter, inside the step
+            stats = getattr(trainer.precision_plugin, "stats", None)
+            name = stats.name_of(param) if isinstance(stats, StepStats) else None
+        return name or "?"
+
     @staticmethod
     def _plugin_says_skipped(trainer: Trainer) -> bool:
         stats = getattr(trainer.precision_plugin, "stats", None)
         if not isinstance(stats, StepStats):
             return False
-        # MPPlugin's scaler knows the verdict on the host after a non-fused step; never sync for it here
-        return getattr(trainer.scaler, "last_skipped_host", None) is True
+        # MPPlugin knows the verdict on the host after a non-fused step; never sync for it here
+        return stats.skipped_known() is True
 
     # ------------------------------------------------------------------ reading and reporting
     def _check(self, trainer: Trainer, stopping: bool = False) -> None:

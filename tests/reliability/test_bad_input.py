@@ -31,7 +31,7 @@ CONSTRUCTION = [
      r"min_scale=64.0 is larger than max_scale=8.0; use min_scale <= max_scale"),
     ("init_scale outside the bounds", {"init_scale": 2.0**30}, ValueError,
      r"init_scale=1073741824.0 lies outside \[min_scale=1.0, max_scale=16777216.0\]"),
-    ("zero static loss scale", {"loss_scale": 0}, ValueError, r"loss_scale=0 is invalid: use a finite number > 0, or None"),
+    ("zero static loss scale", {"loss_scale": 0}, ValueError, r"loss_scale=0 is invalid: use a finite number > 0 .*or None"),
     ("loss scale of the wrong type", {"loss_scale": "big"}, ValueError, r"loss_scale='big' is invalid"),
     ("divergence limit 0", {"max_consecutive_skips": 0}, ValueError,
      r"max_consecutive_skips=0 is invalid: use an integer >= 1, or None to never stop"),

@@ -1,0 +1,127 @@
+"""The plugin's checkpoint entry: what it holds, how it is validated when loaded, and migration from Lightning's.
+
+The entry holds only plain tensors, numbers, strings and dicts (``torch.load(weights_only=True)`` reads it)::
+
+    {"mode": "fp16", "scaler": {...}, "optimizers": [{"steps": 10, "skipped_steps": 1, "consecutive_skips": 0}],
+     "master_weights": {"kind": "fp32", "masters": {name: tensor}}, "fp8": {...}}
+
+A checkpoint written with Lightning's ``precision="16-mixed"`` (a bare GradScaler state under ``MixedPrecision``)
+resumes with its loss scale. The checkpoint's weights are the truth: its master weights are used only where they
+still round to them (:meth:`lightning_mp.master.MasterWeights.load_state_dict`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+
+from lightning_mp.master import MasterWeights, fp32_values
+from lightning_mp.stats import StepStats
+
+
+def plugin_state(mode: str, scaler: Any, masters: Optional[MasterWeights], fp8: Any, stats: StepStats) -> dict[str, Any]:
+    state: dict[str, Any] = {"mode": mode, "optimizers": [s.state_dict() for s in stats.per_optimizer]}
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    if masters is not None:
+        state["master_weights"] = masters.state_dict()
+    if fp8 is not None:
+        state["fp8"] = fp8.state_dict()
+    return state
+
+
+def normalise(state: Any) -> dict[str, Any]:
+    """Check the entry's shape; a bare GradScaler state (Lightning's ``MixedPrecision``) becomes an fp16 entry."""
+    if not isinstance(state, dict):
+        raise ValueError(f"The checkpoint's MPPlugin entry is a {type(state).__name__}, not a dict: it is corrupted.")
+    if "scale" in state:
+        state = {"mode": "fp16", "scaler": state}
+    if "mode" not in state:
+        raise ValueError(
+            f"The checkpoint's MPPlugin entry has keys {sorted(state)} but no 'mode': it is corrupted"
+            " or was written by another plugin."
+        )
+    return state
+
+
+def load_plugin_state(
+    state: Any,
+    *,
+    current_mode: str,
+    scaler: Any,
+    masters: Optional[MasterWeights],
+    master_weights: Optional[str],
+    fp8: Any,
+    stats: StepStats,
+    module: Optional[nn.Module],
+) -> None:
+    state = normalise(state)
+    saved_mode = state["mode"]
+    if saved_mode != current_mode:
+        rank_zero_warn(
+            f"MPPlugin: the checkpoint was written with precision={saved_mode!r} and training resumes with"
+            f" precision={current_mode!r}; skip counters are kept"
+            + (", the loss scale starts from init_scale." if saved_mode != "fp16" and current_mode == "fp16" else ".")
+        )
+    scaler_state = state.get("scaler")
+    if scaler_state is not None and scaler is not None:
+        try:
+            scaler.load_state_dict(scaler_state)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"The checkpoint's loss-scaler state is corrupted: {err}") from err
+    _load_counters(state, stats)
+    _load_master_weights(state.get("master_weights"), masters, master_weights, current_mode, module)
+    if fp8 is not None:
+        fp8.load_state_dict(state.get("fp8"))  # warns when the recipe changed
+
+
+def _load_counters(state: dict[str, Any], stats: StepStats) -> None:
+    saved = state.get("optimizers")
+    if saved is None:  # an older entry: the scaler's totals go to the first optimizer
+        scaler_state = state.get("scaler") or {}
+        saved = [{k: scaler_state[k] for k in ("steps", "skipped_steps", "consecutive_skips") if k in scaler_state}]
+    if not isinstance(saved, list) or not all(isinstance(s, dict) for s in saved):
+        raise ValueError("The checkpoint's per-optimizer step counters are corrupted: expected a list of dicts.")
+    for opt_stats, opt_state in zip(stats.per_optimizer, saved):
+        opt_stats.load_state_dict(opt_state)
+
+
+def _load_master_weights(
+    saved: Any, masters: Optional[MasterWeights], current: Optional[str], mode: str, module: Optional[nn.Module]
+) -> None:
+    saved_kind = saved.get("kind") if isinstance(saved, dict) else None
+    if saved is not None and saved_kind is None:
+        raise ValueError("The checkpoint's master-weights state is corrupted: it has no 'kind'.")
+    if masters is not None:
+        if saved is None:
+            rank_zero_warn(
+                f"MPPlugin: the checkpoint holds no master weights; master_weights={current!r} starts from the"
+                " checkpoint's weights (its exact fp32 values where it holds fp32 weights)."
+            )
+            return
+        if saved_kind != current:
+            rank_zero_warn(
+                f"MPPlugin: the checkpoint's master weights are {saved_kind!r}, training resumes with"
+                f" master_weights={current!r}: converted through their fp32 values."
+            )
+        masters.load_state_dict(saved)
+        return
+    if saved is None:
+        return
+    # no master weights now: fp32 weights (a mixed mode) take the masters' values where they fit
+    params = dict(module.named_parameters()) if module is not None else {}
+    restored = 0
+    with torch.no_grad():
+        for name, value in fp32_values(saved, params).items():
+            param = params.get(name)
+            if param is not None and param.dtype == torch.float32 and param.shape == value.shape:
+                param.copy_(value)
+                restored += 1
+    if not restored:
+        rank_zero_warn(
+            f"MPPlugin: the checkpoint's {saved_kind!r} master weights are not used: precision={mode!r}"
+            + (" with master_weights='none' trains the half weights alone." if current == "none" else ".")
+        )

@@ -1,0 +1,430 @@
+"""One optimizer step, owned in one place: its order, its skip verdict, and what a skipped step leaves untouched.
+
+The order of one step of one optimizer (stages in capitals; misuse is a clear error, not a wrong number):
+
+    READY
+      1. the closure: forward and backward (automatic optimization); nothing in manual optimization
+      2. gather: in true-half modes, fp32 stand-ins of the half parameters (the masters), with fp32 gradients
+         (the half gradient plus the fp32 sum of earlier micro-batches); they stand in the param groups only while
+         torch's scaler reads the gradients and while the optimizer steps, so hooks and callbacks see the model's
+         own parameters there
+      3. unscale (fp16): the gradients are divided by the loss scale, inf/NaN found in the same fused kernel;
+         the true gradients are written into the half ones that hooks read
+    PREPARED
+      4. hooks: ``on_before_optimizer_step`` (callbacks, then the LightningModule); half gradients a hook rewrote
+         become the fp32 ones
+      5. clipping (``configure_gradient_clipping``): by norm, the norm's finiteness is a verdict source; by value,
+         the gradients are checked before clamping hides an inf
+      6. the verdict: a read-only check of the gradients the optimizer will apply, unless a source above already
+         saw them after the last hook that could write them; the FP8 saturation flag is added; under DDP every
+         rank takes the worst
+    CHECKED
+      7. step, or skip: the optimizer steps the stand-ins (fused optimizers skip on the device); the half weights
+         are written back; on a skip the buffers the window's forward passes changed are restored
+    STEPPED
+      8. the loss scale moves once per training batch, after every optimizer of that batch has stepped
+         (automatic optimization: right away; manual: when ``training_step`` returns)
+
+Nothing outside this module sets the verdict; callbacks read :class:`lightning_mp.stats.StepStats`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import enum
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.core.optimizer import do_nothing_closure
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import Tensor, nn
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.optim import LBFGS, Optimizer
+
+from lightning_mp._host import HostCopy
+from lightning_mp.buffers import BufferSnapshot
+from lightning_mp.master import MasterWeights, StepRecords
+from lightning_mp.scaling import DynamicLossScaler, _is_dtensor
+from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
+
+
+class Stage(enum.Enum):
+    READY = "ready"
+    PREPARED = "prepared"  # gathered and unscaled: hooks and clipping may run
+    STEPPED = "stepped"
+
+
+@dataclass
+class _OptimizerState:
+    """One optimizer's place in the step, and what outlives the step (skip streak, scheduler record)."""
+
+    index: int
+    optimizer: Any = None
+    stage: Stage = Stage.READY
+    records: Optional[StepRecords] = None
+    #: no verdict source has seen the gradients since something may have written them
+    dirty: bool = True
+    stats: OptimizerStats = field(default_factory=OptimizerStats)
+
+
+class OptimizerSteps:
+    """Runs every optimizer step of a training run (see the module docstring for the order).
+
+    Args:
+        scaler: the loss scaler / inf-NaN check (``None``: steps are not checked, ``skip_nonfinite=False``).
+        masters: master weights of half-precision parameters (``None``: the optimizer steps the parameters).
+        stats: where the outcome of each step is published (read by callbacks).
+        max_consecutive_skips: stop after this many skipped steps in a row of one optimizer (``None``: never).
+        saturation: a callable returning a device flag (> 0: an FP8 cast saturated an inf) or ``None``.
+    """
+
+    def __init__(
+        self,
+        scaler: Optional[DynamicLossScaler],
+        masters: Optional[MasterWeights],
+        stats: StepStats,
+        *,
+        max_consecutive_skips: Optional[int],
+        saturation: Optional[Callable[[], Optional[Tensor]]] = None,
+        release_grads: bool = False,
+    ) -> None:
+        self.scaler = scaler
+        self.masters = masters
+        self.stats = stats
+        self.max_consecutive_skips = max_consecutive_skips
+        self.saturation = saturation
+        self.release_grads = release_grads
+        self.buffers = BufferSnapshot()
+        self._optimizers: dict[int, _OptimizerState] = {}
+        self._batch_verdicts: list[Tensor] = []  # this batch's verdicts, for the one scale update
+        self._carry_sums = False
+
+    # ------------------------------------------------------------------ set-up
+    def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
+        """Start a run with these optimizers (a new ``fit``; earlier records are dropped)."""
+        self._optimizers = {id(opt): _OptimizerState(i, opt) for i, opt in enumerate(optimizers)}
+        self.stats.set_optimizers([opt_state.stats for opt_state in self._optimizers.values()])
+        self._batch_verdicts = []
+        self.buffers.drop()
+        self._module = module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        # fp32 sums of micro-batches: only where Lightning owns zero_grad (automatic optimization)
+        self._carry_sums = self.masters is not None and module is not None and module.automatic_optimization
+        self._accumulating = trainer is not None and getattr(trainer, "accumulate_grad_batches", 1) > 1
+
+    def _state(self, optimizer: Optimizer) -> _OptimizerState:
+        state = self._optimizers.get(id(optimizer))
+        if state is None:  # an optimizer made outside configure_optimizers: give it a record too
+            state = self._optimizers[id(optimizer)] = _OptimizerState(len(self._optimizers), optimizer)
+            self.stats.set_optimizers([s.stats for s in self._optimizers.values()])
+        return state
+
+    # ------------------------------------------------------------------ around forward and backward
+    def begin_batch(self, module: Optional[nn.Module], optimizers: Iterable[Optimizer]) -> None:
+        """A training step starts: snapshot the buffers its forward passes may change (once per window)."""
+        if self.scaler is not None and module is not None and not self.buffers.taken:
+            self.buffers.take(module, optimizers)
+
+    def end_batch(self) -> None:
+        """A training batch ended (manual optimization: ``training_step`` returned): one scale update."""
+        for state in self._optimizers.values():
+            if state.stage is Stage.PREPARED:
+                self._abandon(state)  # prepared (e.g. clipped) but never stepped
+        if self._batch_verdicts:
+            self._update_scale()
+            self.buffers.drop()
+        for state in self._optimizers.values():
+            state.stage = Stage.READY
+
+    def before_backward(self, module: nn.Module) -> None:
+        """Micro-batch gradients of true-half parameters sum in fp32: move the half ones there first."""
+        if self._carry_sums and self._accumulating:
+            self.masters.carry_grads_(module.parameters())
+
+    # ------------------------------------------------------------------ the step
+    def run(
+        self,
+        optimizer: Optimizer,
+        model: LightningModule,
+        closure: Callable[[], Any],
+        hooks_and_clipping: Callable[[], None],
+        **kwargs: Any,
+    ) -> Any:
+        """One optimizer step (stages 1–8). ``hooks_and_clipping`` runs ``on_before_optimizer_step`` and clipping."""
+        if self._takes_closure(optimizer, model, closure):
+            return self._run_with_closure(optimizer, model, closure, hooks_and_clipping, **kwargs)
+        state = self._state(optimizer)
+        closure()  # (a training_step that returned None still steps with the gradients there are, as Lightning does)
+        try:
+            self.prepare(optimizer)
+            hooks_and_clipping()
+            self.hooks_ran(optimizer)
+            return self._step(optimizer, state, model, **kwargs)
+        finally:
+            if state.stage is Stage.PREPARED:
+                self._abandon(state, optimizer)  # an error inside the step: the parameters get their places back
+
+    def prepare(self, optimizer: Optimizer) -> None:
+        """READY → PREPARED: gather fp32 gradients (true-half), unscale them (fp16). Idempotent."""
+        state = self._state(optimizer)
+        if state.stage is Stage.PREPARED:
+            return
+        # (STEPPED: manual optimization steps this optimizer again in one training step; the loss scale still
+        # moves once, when the batch ends, so both steps unscale by the scale their backward used)
+        scaler = self.scaler
+        if self.masters is not None:
+            records = self.masters.gather(optimizer)
+            state.records = records
+        if scaler is not None and scaler.scaling:
+            with self._standing_in(state):
+                scaler.unscale_(optimizer)
+            state.dirty = False
+        else:
+            state.dirty = True
+        if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating):
+            MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
+        state.stage = Stage.PREPARED
+
+    def hooks_ran(self, optimizer: Optimizer) -> None:
+        """After ``on_before_optimizer_step`` (and clipping): take what hooks wrote; look again if they could."""
+        state = self._state(optimizer)
+        if state.records is not None and MasterWeights.take_rewritten(state.records):
+            state.dirty = True
+        if self._hooks_may_write():
+            state.dirty = True
+
+    def check_before_clamp(self, optimizer: Optimizer) -> None:
+        """Clipping by value is about to clamp: an inf must be seen before it becomes a finite number."""
+        self.prepare(optimizer)
+        state = self._state(optimizer)
+        if state.dirty:
+            self._check(optimizer, state)
+
+    def clipped(self, optimizer: Optimizer) -> None:
+        """After clipping the fp32 gradients (true-half): the half ones that hooks and user code read follow."""
+        state = self._state(optimizer)
+        if state.records is not None:
+            MasterWeights.expose(state.records)
+
+    def record_norm(self, optimizer: Optimizer, norm: Tensor) -> None:
+        """Clipping by norm read every gradient: a non-finite total norm is the verdict (no second pass)."""
+        state = self._state(optimizer)
+        self.stats.record_grad_norm(norm, state.index)
+        if self.scaler is None:
+            return
+        if not self.scaler.record_check_from_(optimizer, norm):
+            self.scaler.add_found_inf_(optimizer, ~torch.isfinite(norm.detach()))
+        state.dirty = False
+
+    def _check(self, optimizer: Optimizer, state: _OptimizerState) -> None:
+        scaler = self.scaler
+        if scaler is None:
+            return
+        with self._standing_in(state):
+            if scaler.stage(optimizer) is OptState.READY:
+                scaler.unscale_(optimizer)  # check-only mode: the read-only check
+            else:
+                flag = torch.zeros((), device=scaler.scale_device)
+                for found in DynamicLossScaler._check_grads_(optimizer, flag).values():
+                    scaler.add_found_inf_(optimizer, found)
+        state.dirty = False
+
+    def _standing_in(self, state: _OptimizerState) -> Any:
+        """Inside: the fp32 stand-ins hold the half parameters' places (and state) in the param groups."""
+        return self.masters.stepping(state.records) if state.records is not None else contextlib.nullcontext()
+
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:
+        """What clipping works on: the optimizer's parameters, with fp32 stand-ins for the half ones (true-half)."""
+        state = self._optimizers.get(id(optimizer))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if state is None or state.records is None:
+            return params
+        standin = {id(r.param): r.standin for r in state.records.records}
+        return [standin.get(id(p), p) for p in params]
+
+    def _hooks_may_write(self) -> bool:
+        module = getattr(self, "_module", None)
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        if module is None or trainer is None:
+            return True
+        if is_overridden("on_before_optimizer_step", module, LightningModule) or is_overridden(
+            "configure_gradient_clipping", module, LightningModule
+        ):
+            return True
+        return any(
+            type(cb).on_before_optimizer_step is not Callback.on_before_optimizer_step
+            and not getattr(cb, "reads_gradients_only", False)
+            for cb in trainer.callbacks
+        )
+
+    def _step(self, optimizer: Optimizer, state: _OptimizerState, model: LightningModule, **kwargs: Any) -> Any:
+        scaler = self.scaler
+        records = state.records
+        if scaler is None:
+            with self._standing_in(state):
+                out = optimizer.step(**kwargs)
+            skipped: Optional[bool] = False
+            verdict = None
+        else:
+            if state.dirty:
+                self._check(optimizer, state)
+            if self.saturation is not None:
+                saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
+                if saturated is not None:
+                    scaler.add_found_inf_(optimizer, saturated)
+            scaler.begin_step()
+            with self._standing_in(state):
+                out = scaler.step(optimizer, **kwargs)
+            skipped = scaler.last_skipped_host
+            verdict = scaler.found_inf(optimizer)
+        if records is not None:
+            self.masters.write_back(records, skipped=skipped, found_inf=verdict)
+            state.records = None
+        if skipped is not False:
+            self.buffers.restore(optimizer, skipped, verdict)
+        state.stage = Stage.STEPPED
+        if scaler is not None:
+            self._batch_verdicts.append(_as_flag(verdict, scaler))
+            scaler.forget(optimizer)
+        state.stats.record(skipped, verdict)
+        if self.release_grads and model.automatic_optimization:
+            optimizer.zero_grad(set_to_none=True)
+        if model.automatic_optimization:
+            self._update_scale()  # one optimizer per batch: the batch is over
+            self.buffers.drop()
+            state.stage = Stage.READY
+        self._check_divergence(model, state)
+        return out
+
+    def _abandon(self, state: _OptimizerState, optimizer: Optional[Optimizer] = None) -> None:
+        """Give the parameters their places back after an error, or a prepared step that never ran."""
+        records = state.records
+        if records is not None:
+            self.masters.swap_out(records)
+            self.masters.write_back(records, skipped=True)
+            state.records = None
+        optimizer = optimizer or state.optimizer
+        if self.scaler is not None and optimizer is not None:
+            self.scaler.forget(optimizer)
+        state.stage = Stage.READY
+
+    # ------------------------------------------------------------------ closure-taking optimizers
+    @staticmethod
+    def _takes_closure(optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any]) -> bool:
+        if isinstance(optimizer, LBFGS):
+            return True
+        return not model.automatic_optimization and closure is not do_nothing_closure
+
+    def _run_with_closure(
+        self,
+        optimizer: Optimizer,
+        model: LightningModule,
+        closure: Callable[[], Any],
+        hooks_and_clipping: Callable[[], None],
+        **kwargs: Any,
+    ) -> Any:
+        """An optimizer that evaluates the closure itself (LBFGS, SAM): check every evaluation, undo if any failed.
+
+        The step runs as the optimizer wants it; every gradient it computes is checked after the hooks ran, and if
+        any was inf/NaN the parameters, the optimizer state and the buffers go back to their values before the step.
+        """
+        scaler = self.scaler
+        name = type(optimizer).__name__
+        if self.masters is not None or (scaler is not None and scaler.scaling):
+            raise MisconfigurationException(
+                f"MPPlugin: {name} evaluates its closure inside step(), which cannot be combined with"
+                + (" a loss scale (fp16)" if scaler is not None and scaler.scaling else " master weights")
+                + ". Use precision 'fp32', 'tf32' or 'bf16' (or 'bf16-true' with master_weights='none') with"
+                " closure-taking optimizers."
+            )
+        state = self._state(optimizer)
+        if scaler is None:
+            return optimizer.step(closure=_then(closure, hooks_and_clipping), **kwargs)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        saved_params = [p.detach().clone() for p in params]
+        saved_state = copy.deepcopy(optimizer.state_dict()["state"])
+        bad: list[Tensor] = []
+
+        def checked() -> Any:
+            result = closure()
+            hooks_and_clipping()
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                bad.append(~torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf)).max()))
+            return result
+
+        out = optimizer.step(closure=checked, **kwargs)
+        skipped = bool(torch.stack(bad).any().item()) if bad else False  # one sync, as GradScaler pays
+        if skipped:
+            with torch.no_grad():
+                for p, v in zip(params, saved_params):
+                    p.copy_(v)
+            full = optimizer.state_dict()
+            full["state"] = saved_state
+            optimizer.load_state_dict(full)
+            self.buffers.restore(optimizer, True, None)
+        state.stats.record(skipped, None)
+        self._batch_verdicts.append(torch.tensor(float(skipped), device=scaler.scale_device))
+        if model.automatic_optimization:
+            self._update_scale()
+            self.buffers.drop()
+        else:
+            state.stage = Stage.STEPPED
+        self._check_divergence(model, state)
+        return out
+
+    # ------------------------------------------------------------------ after the step
+    def _update_scale(self) -> None:
+        verdicts, self._batch_verdicts = self._batch_verdicts, []
+        if self.scaler is not None and verdicts:
+            self.scaler.update_from(verdicts)
+
+    def skipped_for(self, optimizer: Optional[Optimizer]) -> bool:
+        """Whether ``optimizer``'s last step was skipped (reads the device only when the host does not know)."""
+        state = self._optimizers.get(id(optimizer)) if optimizer is not None else None
+        return False if state is None else state.stats.last_skipped
+
+    def _check_divergence(self, model: LightningModule, state: _OptimizerState) -> None:
+        limit = self.max_consecutive_skips
+        if limit is None:
+            return
+        consecutive = state.stats.consecutive_known()
+        if consecutive is None or consecutive < limit:
+            return
+        trainer = getattr(model, "_trainer", None)
+        step = trainer.global_step if trainer is not None else "?"
+        scaler = self.scaler
+        scale = scaler.get_scale() if scaler is not None and scaler.scaling else None
+        advice = (
+            "the loss scale is at its floor: check the model for values that overflow fp16, or use precision='bf16'"
+            if scale is not None and scale <= scaler.min_scale
+            else "look for a NaN/inf in the data or the loss, lower the learning rate, or add gradient clipping"
+        )
+        which = f" of optimizer {state.index}" if len(self._optimizers) > 1 else ""
+        raise NonFiniteTrainingError(
+            f"{consecutive} optimizer steps{which} in a row had inf/NaN gradients and were skipped (limit"
+            f" max_consecutive_skips={limit}), at global step {step}"
+            + (f", loss scale {scale:g}" if scale is not None else "")
+            + f". Training stopped: {advice}. NonFiniteDetector names the module that produced it."
+        )
+
+
+def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
+    def run() -> Any:
+        result = closure()
+        after()
+        return result
+
+    return run
+
+
+def _as_flag(verdict: Optional[Tensor], scaler: DynamicLossScaler) -> Tensor:
+    if verdict is None:
+        return torch.zeros((), device=scaler.scale_device)
+    return verdict.reshape(()).float()

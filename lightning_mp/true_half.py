@@ -1,0 +1,140 @@
+"""Which master weights a true-half run (``bf16-true``/``fp16-true``) gets, made for the run's optimizers."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_mp.distributed import world_size
+from lightning_mp.master import FP32MasterWeights, MasterWeights, keeps_own_masters, make_master_weights, seed_optimizer_masters
+from lightning_mp.modes import PrecisionMode
+
+
+class MasterWeightsSetup:
+    """The ``master_weights`` option and the master weights it made (kept across ``fit`` calls of one plugin)."""
+
+    def __init__(self, asked: Optional[str]) -> None:
+        self.asked = asked
+        self.found: Optional[str] = None  # "optimizer" when unset and every optimizer keeps its own masters
+        self.masters: Optional[MasterWeights] = None
+
+    def kind(self, mode: Optional[PrecisionMode]) -> Optional[str]:
+        if mode is None or not mode.true_half:
+            return None
+        return self.asked or self.found or "fp32"
+
+    def check_argument(self, mode: PrecisionMode) -> None:
+        if self.asked is not None and not mode.true_half:
+            raise ValueError(
+                f"master_weights={self.asked!r} applies to half-precision weights, but precision={mode.name!r} keeps"
+                " fp32 weights (there is no master copy to keep). Use precision='bf16-true' or 'fp16-true', or leave"
+                " master_weights unset."
+            )
+
+    def connect(self, mode: PrecisionMode, model: nn.Module, optimizers: list[Optimizer], *, fsdp: bool) -> Optional[MasterWeights]:
+        """The master weights for this run's optimizers (``None``: the optimizers step the parameters)."""
+        _warn_redundant_optimizer_masters(mode, optimizers)
+        if not mode.true_half or fsdp:
+            return None  # (under FSDP the fp32 shards are the master weights)
+        if self._optimizer_keeps_masters(mode, optimizers):
+            return None
+        kind = self.kind(mode)
+        if kind == "none":
+            if mode.needs_scaler:
+                _warn_eps_underflow(optimizers)
+            return None
+        if self.masters is None or self.masters.kind != kind:
+            self.masters = make_master_weights(kind)
+        masters = self.masters
+        masters.name_parameters(model)
+        for opt in optimizers:
+            masters.attach(opt)
+        masters.forget_others(p for opt in optimizers for g in opt.param_groups for p in g["params"])
+        if isinstance(masters, FP32MasterWeights) and world_size() > 1:
+            masters.broadcast_(src=0)  # ranks initialised differently: rank 0's weights, as DDP's, in fp32
+        return masters
+
+    def _optimizer_keeps_masters(self, mode: PrecisionMode, optimizers: list[Optimizer]) -> bool:
+        self.found = None
+        own = [keeps_own_masters(opt) for opt in optimizers]
+        names = ", ".join(sorted({type(opt).__name__ for opt in optimizers}))
+        if self.asked == "optimizer":
+            if not all(own):
+                raise MisconfigurationException(
+                    f"MPPlugin(precision={mode.name!r}, master_weights='optimizer') needs optimizers that keep fp32"
+                    f" master weights themselves, but {names} does not (no master_weights=True). Use Transformer"
+                    " Engine's FusedAdam(params, master_weights=True), or master_weights='fp32' (the default) with"
+                    " any optimizer."
+                )
+        elif self.asked is None and own and all(own):
+            self.found = "optimizer"
+            rank_zero_info(
+                f"MPPlugin({mode.name!r}): {names} keeps fp32 master weights itself (master_weights=True):"
+                " master_weights='optimizer', no second copy."
+            )
+        elif any(own):
+            raise MisconfigurationException(
+                f"MPPlugin(precision={mode.name!r}, master_weights={self.kind(mode)!r}) with {names}, which keeps"
+                " fp32 master weights itself (master_weights=True): there would be two sets of masters"
+                + (" or none where the optimizer steps half weights" if not all(own) else "")
+                + ". Use master_weights='optimizer' (or leave it unset) with such an optimizer, or master_weights=False"
+                " in the optimizer."
+            )
+        else:
+            return False
+        seeded = sum(seed_optimizer_masters(opt) for opt in optimizers)
+        if seeded:
+            rank_zero_debug(f"MPPlugin: {seeded} optimizer-held master weights start from the exact fp32 weights.")
+        return True
+
+    def namer(self, model: Any) -> Callable[[Tensor], Optional[str]]:
+        """Names of what the optimizer steps: a model parameter, or the fp32 stand-in of a half one."""
+        names = {id(p): n for n, p in model.named_parameters()} if hasattr(model, "named_parameters") else {}
+        masters = self.masters
+
+        def name_of(tensor: Tensor) -> Optional[str]:
+            name = names.get(id(tensor))
+            if name is None and masters is not None:
+                param = masters.param_of(tensor)
+                name = names.get(id(param)) if param is not None else None
+            return name
+
+        return name_of
+
+
+def _warn_eps_underflow(optimizers: list[Optimizer]) -> None:
+    """fp16 weights without masters: an optimizer ``eps`` below fp16's smallest value is 0 in its fp16 state."""
+    tiny = torch.finfo(torch.float16).smallest_normal * 2.0**-10  # the smallest fp16 subnormal, ~6e-8
+    for opt in optimizers:
+        for group in opt.param_groups:
+            eps = group.get("eps")
+            if isinstance(eps, float) and 0 < eps < tiny:
+                rank_zero_warn(
+                    f"MPPlugin(precision='fp16-true', master_weights='none'): the optimizer's eps={eps:g} is 0 in the"
+                    " fp16 optimizer state, so a parameter whose gradient is 0 gets 0/0 = NaN on the first step."
+                    " Use master_weights='fp32' (the default), or eps >= 1e-7 (e.g. 1e-4)."
+                )
+                return
+
+
+def _warn_redundant_optimizer_masters(mode: PrecisionMode, optimizers: list[Optimizer]) -> None:
+    """An optimizer that keeps fp32 masters of parameters that are fp32 already holds a second fp32 copy."""
+    for opt in optimizers:
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if keeps_own_masters(opt) and params and all(p.dtype == torch.float32 for p in params):
+            way = (
+                "fp8={'weights': 'bf16'} (the optimizer's masters are then the fp32 copy)"
+                if mode.fp8
+                else "precision='bf16-true' (its masters are then the fp32 copy)"
+            )
+            rank_zero_warn(
+                f"MPPlugin({mode.name!r}): {type(opt).__name__} keeps fp32 master weights itself (master_weights=True),"
+                " but the parameters it steps are fp32 already, so it holds a second fp32 copy of every weight"
+                f" (4 bytes a parameter for nothing). Use {way}, or master_weights=False in the optimizer."
+            )
+            return
