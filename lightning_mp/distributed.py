@@ -172,6 +172,23 @@ def check_fsdp_wraps_guards(
         )
 
 
+def connect(
+    model: Any, scaler: Any, reduce_dtype: Optional[str], fsdp_param_dtype: Optional[str], hooked: list
+) -> Optional[torch.nn.Module]:
+    """The strategy's model is known: gradient compression, rank agreement on skips; returns the root FSDP module."""
+    fsdp_root = model if is_fsdp(model) else None
+    if fsdp_root is None and fsdp_param_dtype not in (None, "fp32"):
+        rank_zero_warn(
+            f"MPPlugin: fsdp_param_dtype={fsdp_param_dtype!r} is set, but the model is not wrapped by FSDP: it takes"
+            " effect with strategy='fsdp' only."
+        )
+    device = next((p.device.type for p in model.parameters()), "cpu") if hasattr(model, "parameters") else "cpu"
+    apply_reduce_dtype(model, reduce_dtype, device, hooked)
+    if scaler is not None:
+        scaler.sync_across_ranks = world_size() > 1  # a gradient poisoned after the all-reduce: every rank skips
+    return fsdp_root
+
+
 def apply_reduce_dtype(model: Any, reduce_dtype: Optional[str], device_type: str, hooked: list) -> None:
     """DDP: compress the gradient all-reduce to ``reduce_dtype`` with torch's bf16/fp16 communication hook."""
     if reduce_dtype in (None, "fp32") or is_fsdp(model):

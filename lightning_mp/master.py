@@ -126,7 +126,7 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, *, keep_fp32: Iterable[s
         sub = module.get_submodule(name)
         kept_modules.update(id(m) for m in sub.modules())
         keep_ids.update(id(t) for t in (*sub.parameters(), *sub.buffers()))
-    cast = 0
+    cast = upcast_kept_(module, keep_fp32)
     with torch.no_grad():
         for sub in module.modules():
             if id(sub) in kept_modules:
@@ -147,6 +147,30 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, *, keep_fp32: Iterable[s
                     cast += 1
             if hasattr(sub, "_dtype") and isinstance(getattr(sub, "_dtype"), torch.dtype):
                 sub._dtype = dtype  # LightningModule.dtype reports the training dtype, as Lightning's HalfPrecision
+    return cast
+
+
+def upcast_kept_(module: nn.Module, keep_fp32: Iterable[str]) -> int:
+    """The FP32-guarded submodules' 16-bit parameters and buffers become fp32 (a model the user cast to half).
+
+    In place (``param.data`` replaced, parameter objects kept); returns the number of tensors cast.
+    """
+    cast = 0
+    seen: set[int] = set()
+    with torch.no_grad():
+        for name in keep_fp32:
+            for sub in module.get_submodule(name).modules():
+                for param in sub.parameters(recurse=False):
+                    if param.dtype in _HALF and id(param) not in seen:
+                        param.data = param.data.float()
+                        if param.grad is not None:
+                            param.grad = None
+                        seen.add(id(param))
+                        cast += 1
+                for key, buf in sub._buffers.items():
+                    if buf is not None and buf.dtype in _HALF:
+                        sub._buffers[key] = buf.float()
+                        cast += 1
     return cast
 
 
@@ -657,6 +681,8 @@ class KahanCompensation(MasterWeights):
             torch._foreach_copy_(params, values)  # the value rounded to half precision
             torch._foreach_sub_(values, params)  # exact in fp32: the value and its rounding are within an ulp
             torch._foreach_copy_(comps, values)
+            for param, comp in zip(params, comps):
+                _no_tie_(param, comp)
             return
         skip = skip_flag.reshape(()).ne(0)  # skipped on the device: keep both as they were
         for param, value, comp in zip(params, values, comps):
@@ -664,6 +690,7 @@ class KahanCompensation(MasterWeights):
             err = value.sub(new).to(param.dtype)
             param.copy_(torch.where(skip, param, new))
             comp.copy_(torch.where(skip, comp, err))
+            _no_tie_(param, comp)
 
     def compensation_of(self, param: nn.Parameter) -> Optional[Tensor]:
         """The compensation buffer of a model parameter (``None`` if it has none)."""
@@ -673,15 +700,19 @@ class KahanCompensation(MasterWeights):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["compensation"] = {self._name(pid): e.held for pid, e in self._entries.items()}
+        # which weights each compensation belongs to: a weight edited in the checkpoint drops its compensation
+        state["weights_fingerprint"] = {self._name(pid): _fingerprint(e.param) for pid, e in self._entries.items()}
         return state
 
     def _load_own(self, state: dict[str, Any]) -> None:
         saved = state.get("compensation")
         self._check_names(saved, "compensation")
+        prints = state.get("weights_fingerprint") or {}
         with torch.no_grad():
             for name, entry in self._entry_by_name().items():
                 if name in saved:
-                    entry.held.copy_(saved[name])
+                    fits = name not in prints or torch.equal(_fingerprint(entry.param), prints[name].cpu())
+                    entry.held.copy_(saved[name]) if fits else entry.held.zero_()
                     entry.stamp = stamp(entry.param)
 
     def load_fp32_values(self, values: dict[str, Tensor]) -> int:
@@ -699,6 +730,20 @@ class KahanCompensation(MasterWeights):
                     entry.held.zero_()
                 entry.stamp = stamp(entry.param)
         return taken
+
+
+def _fingerprint(param: Tensor) -> Tensor:
+    """Two float64 sums (of the values and their squares) that tell a weight from an edited one."""
+    values = param.detach().double()
+    return torch.stack((values.sum(), values.square().sum())).cpu()
+
+
+def _no_tie_(param: Tensor, comp: Tensor) -> None:
+    """A compensation rounded (to half precision) onto exactly half an ulp of its weight makes ``weight + comp`` a
+    tie, which rounds to the even neighbour: a step that changes nothing would move the weight. Pull such a
+    compensation one step toward zero, so the weight plus compensation always rounds back to the weight."""
+    back = (param.float() + comp.float()).to(param.dtype)
+    comp.copy_(torch.where(back.ne(param), torch.nextafter(comp, torch.zeros_like(comp)), comp))
 
 
 class StochasticRounding(MasterWeights):

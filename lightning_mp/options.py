@@ -34,7 +34,7 @@ def check_options(
     tf32: Optional[bool],
     reduce_dtype: Optional[str],
     fsdp_param_dtype: Optional[str],
-    skip_nonfinite: bool,
+    device: Optional[str],
     scaler_kwargs: dict[str, Any],
 ) -> None:
     """Raise ``ValueError`` naming the bad value and the accepted ones; contradicting options are refused too."""
@@ -63,9 +63,12 @@ def check_options(
         )
     if tf32 is not None and not isinstance(tf32, bool):
         raise ValueError(f"tf32={tf32!r} is invalid: use true, false, or null (the mode's default).")
+    if device is not None and not isinstance(device, str):
+        raise ValueError(f"device={device!r} is invalid: use a device type such as 'cuda' or 'cpu', or None.")
     for name, value in (("reduce_dtype", reduce_dtype), ("fsdp_param_dtype", fsdp_param_dtype)):
         if value is not None and value not in REDUCE_DTYPES:
             raise ValueError(f"{name}={value!r} is invalid: use one of {sorted(REDUCE_DTYPES)}, or null for fp32.")
+    make_scaler(scaler_kwargs, "cpu", scaling=True, sharded=False)  # the scaler's own checks, before training
 
 
 def make_scaler(scaler_kwargs: dict[str, Any], device: str, *, scaling: bool, sharded: bool) -> DynamicLossScaler:

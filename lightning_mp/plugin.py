@@ -20,23 +20,23 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp import checkpoint, distributed
-from lightning_mp.fp8 import FP8Config, FP8Training
+from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
-from lightning_mp.master import MasterWeights, cast_module_, parse_master_weights
-from lightning_mp.modes import AUTO, MODES, PrecisionMode, auto_choice, parse_precision, provisional_lightning_precision, resolve_mode
-from lightning_mp.options import changed_scaler_arguments, check_flags, check_options, make_scaler
-from lightning_mp.scaling import DynamicLossScaler, _is_dtensor
+from lightning_mp.master import parse_master_weights
+from lightning_mp.modes import AUTO, PrecisionMode, parse_precision
+from lightning_mp.options import check_flags, check_options
+from lightning_mp.scaling import _is_dtensor
 from lightning_mp.schedulers import SchedulerHold
-from lightning_mp.true_half import MasterWeightsSetup
+from lightning_mp.run_precision import RunPrecision
+from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
 from lightning_mp.stats import StepStats
 from lightning_mp.step import OptimizerSteps
 
@@ -59,9 +59,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         scaler: as ``MixedPrecision``'s: a ``torch.amp.GradScaler`` (fp16 modes) whose settings and state are used;
             a :class:`~lightning_mp.DynamicLossScaler` is used as it is.
         init_scale, growth_factor, backoff_factor, growth_interval: the dynamic loss scale (fp16), as GradScaler's.
-        hysteresis: overflowing steps before the scale backs off (fp16; 1 = at once).
-        consecutive_hysteresis: refill the hysteresis budget on every clean step (``True``) or only when the scale
-            grows (``False``, Megatron-LM's behaviour).
+        hysteresis, consecutive_hysteresis: overflowing steps before the scale backs off (1 = at once); refill the
+            budget on every clean step (``True``) or only when the scale grows (``False``, Megatron-LM's).
         min_scale, max_scale: floor and cap of the loss scale (fp16).
         loss_scale: a number gives a static loss scale instead of a dynamic one (fp16).
         skip_nonfinite: skip optimizer steps whose gradients hold inf/NaN, in every mode (fp16 always skips).
@@ -69,15 +68,14 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             one optimizer; ``None`` never stops.
         hold_schedulers_on_skip: do not step step-interval LR schedulers after a skipped optimizer step.
         tf32: ``True``/``False`` sets TF32 matmul/cuDNN for the run (restored at teardown); ``None``: the mode's.
-        release_grads_after_step: set gradients to ``None`` right after the optimizer step in automatic
-            optimization (unless the LightningModule overrides ``optimizer_zero_grad``).
+        release_grads_after_step: gradients to ``None`` right after the step (automatic optimization).
         fp32_modules: modules that run in fp32: class names, module-name patterns, classes, ``"defaults"``
             (norms, softmax, losses); ``None``: the defaults; ``[]``: no guards. See :mod:`lightning_mp.guards`.
         master_weights: ``"fp32"`` (default), ``"kahan"``, ``"stochastic"``, ``"none"`` or ``"optimizer"``
             (``bf16-true``/``fp16-true`` only; see :mod:`lightning_mp.master`); ``True``/``False``: fp32/none.
         fp8: :class:`~lightning_mp.fp8.FP8Config` or a dict of its fields, for ``precision="fp8"``.
-        reduce_dtype: dtype gradients are reduced in across ranks (``"fp32"``/None, ``"bf16"``, ``"fp16"``).
-        fsdp_param_dtype: under FSDP, the dtype parameters are gathered in for compute (None: fp32).
+        reduce_dtype, fsdp_param_dtype: the dtype gradients are reduced in across ranks, and the dtype FSDP gathers
+            parameters in for compute (``"fp32"``/None, ``"bf16"``, ``"fp16"``).
     """
 
     def __init__(
@@ -107,8 +105,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         fsdp_param_dtype: Optional[str] = None,
     ) -> None:
         # not MixedPrecision.__init__: it needs the device up front and knows two modes only
-        self._requested = parse_precision(precision)
-        self._scaler_kwargs = dict(
+        scaler_kwargs = dict(
             init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
             min_scale=min_scale, max_scale=max_scale, loss_scale=loss_scale,
@@ -116,142 +113,65 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         check_flags(skip_nonfinite=skip_nonfinite, hold_schedulers_on_skip=hold_schedulers_on_skip,
                     release_grads_after_step=release_grads_after_step, consecutive_hysteresis=consecutive_hysteresis)
         check_options(loss_scale=loss_scale, max_consecutive_skips=max_consecutive_skips, tf32=tf32,
-                      reduce_dtype=reduce_dtype, fsdp_param_dtype=fsdp_param_dtype, skip_nonfinite=skip_nonfinite,
-                      scaler_kwargs=self._scaler_kwargs)  # fmt: skip
-        make_scaler(self._scaler_kwargs, "cpu", scaling=True, sharded=False)  # scaler values fail here, before training
-        if device is not None and not isinstance(device, str):
-            raise ValueError(f"device={device!r} is invalid: use a device type such as 'cuda' or 'cpu', or None.")
-        self.skip_nonfinite, self.max_consecutive_skips = skip_nonfinite, max_consecutive_skips
-        self.hold_schedulers_on_skip, self.tf32 = hold_schedulers_on_skip, tf32
+                      reduce_dtype=reduce_dtype, fsdp_param_dtype=fsdp_param_dtype, device=device,
+                      scaler_kwargs=scaler_kwargs)  # fmt: skip
+        requested = parse_precision(precision)
+        if fp8 is not None and requested not in ("fp8", AUTO):
+            rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={requested!r}; they take effect with 'fp8'.")
+        self.max_consecutive_skips, self.hold_schedulers_on_skip = max_consecutive_skips, hold_schedulers_on_skip
         self.release_grads_after_step = release_grads_after_step
         self.fp32_guards = FP32GuardSpec.from_arg(fp32_modules)
         self.reduce_dtype, self.fsdp_param_dtype = reduce_dtype, fsdp_param_dtype
         self.fp8_config = FP8Config.from_value(fp8)  # validated now; TE is imported at set-up only
-        self._given_scaler = scaler
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.mode: Optional[PrecisionMode] = None
-        self.precision = provisional_lightning_precision(self._requested)  # type: ignore[assignment]
-        self.scaler: Optional[DynamicLossScaler] = None  # type: ignore[assignment]
-        self.stats = StepStats(None)
         self._weights = MasterWeightsSetup(None if master_weights is None else parse_master_weights(master_weights))
+        self._run = RunPrecision(
+            requested, scaler_kwargs, device=device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            given_scaler=scaler, skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips, tf32=tf32,
+            fp8_config=self.fp8_config, fsdp_param_dtype=fsdp_param_dtype, weights=self._weights,
+        )  # fmt: skip
+        self.stats = StepStats(self._run.scaler)
         self._steps: Optional[OptimizerSteps] = None
-        self._fp8: Optional[FP8Training] = None
-        self._sharded = False  # under Lightning's FSDP strategy (picks the scaler class)
-        self._tf32_saved: Optional[tuple[bool, bool]] = None
-        self._hold = SchedulerHold(self._skipped_for)
-        self._sums = distributed.FP32SumReduction()
-        self._comm_hooked: list[torch.nn.Module] = []
-        self._fsdp_root: Optional[torch.nn.Module] = None
+        self._hold = SchedulerHold(lambda opt: self._steps is not None and self._steps.skipped_for(opt))
+        self._comm_hooked, self._fsdp_root = [], None  # DDP models given a reduce_dtype hook; the root FSDP module
         self._guarded_classes: tuple[type, ...] = ()
         self._converted: Optional[torch.nn.Module] = None
-        if fp8 is not None and self._requested not in ("fp8", AUTO):
-            rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={self._requested!r}; they take effect with precision='fp8'.")
-        if self._requested == AUTO:
-            self._weights.check_argument(MODES[auto_choice(self.device)[0]])  # auto never picks true-half
-        else:
-            self._setup_mode(MODES[self._requested])  # the hardware check waits for set-up, on the real device
-            self._warn_unused_arguments()
 
-    # ------------------------------------------------------------------ the mode
-    def _setup_mode(self, mode: PrecisionMode) -> None:
-        self._weights.check_argument(mode)
-        _check_fsdp_param_dtype(mode, self.fsdp_param_dtype)
-        if mode.fp8 and self._fp8 is None:
-            self._fp8 = FP8Training(self.fp8_config)
-        previous, self.mode = self.scaler, mode
-        self.precision = mode.lightning_precision  # type: ignore[assignment]
-        self.scaler = self._build_scaler(mode, previous)
-        self.stats.set_scaler(self.scaler)
-
-    def _build_scaler(self, mode: PrecisionMode, previous: Optional[DynamicLossScaler]) -> Optional[DynamicLossScaler]:
-        given = self._given_scaler
-        if given is not None:
-            if not mode.needs_scaler:
-                raise MisconfigurationException(
-                    f"MPPlugin(precision={mode.name!r}) got a scaler, but this mode does not scale the loss; pass a"
-                    " scaler with precision='fp16' or 'fp16-true' only."
-                )
-            return DynamicLossScaler.adopt(given, sharded=self._sharded)
-        if not (mode.needs_scaler or self.skip_nonfinite):
-            return None
-        scaler = make_scaler(self._scaler_kwargs, self.device, scaling=mode.needs_scaler, sharded=self._sharded)
-        if previous is not None and previous.initialized:
-            scaler.load_state_dict(previous.state_dict())
-        return scaler
-
-    def _warn_unused_arguments(self) -> None:
-        changed = changed_scaler_arguments(self._scaler_kwargs)
-        if changed and not self.mode.needs_scaler:
-            rank_zero_warn(
-                f"MPPlugin: {', '.join(changed)} set, but precision={self.mode.name!r} does not scale the loss;"
-                " loss-scaling arguments take effect with precision='fp16' or 'fp16-true'."
-            )
-        if not self.skip_nonfinite and not self.mode.needs_scaler and self.max_consecutive_skips not in (None, 100):
-            raise ValueError(
-                f"max_consecutive_skips={self.max_consecutive_skips!r} counts skipped steps, but skip_nonfinite=False"
-                f" skips none in precision={self.mode.name!r}. Drop one of the two."
-            )
-
-    @property
-    def master_weights(self) -> Optional[str]:
-        """The master-weights option in force: ``None`` unless the mode is ``bf16-true``/``fp16-true``."""
-        return self._weights.kind(self.mode)
-
-    @property
-    def masters(self) -> Optional[MasterWeights]:
-        """The master weights (``None`` before set-up and without masters)."""
-        return self._weights.masters
-
-    @property
-    def requested_precision(self) -> str:
-        """The precision as the user asked for it (canonical name, ``"auto"`` kept)."""
-        return self._requested
+    # ------------------------------------------------------------------ the mode (held by RunPrecision)
+    mode = property(lambda self: self._run.mode, doc="The precision mode in force (``None`` for auto until set-up).")
+    precision = property(lambda self: self._run.lightning_precision, doc="Lightning's name of the mode.")
+    scaler = property(lambda self: self._run.scaler, doc="The loss scaler / inf-NaN check (``None``: unchecked).")
+    device = property(lambda self: self._run.device, doc="The device type the run uses.")
+    _fp8 = property(lambda self: self._run.fp8)
+    masters = property(lambda self: self._weights.masters, doc="The master weights (``None`` before set-up, or none).")
+    requested_precision = property(lambda self: self._run.requested, doc="The precision as asked for (``auto`` kept).")
+    master_weights = property(lambda self: self._weights.kind(self.mode), doc="The master-weights option in force.")
 
     def set_precision(self, precision: str) -> PrecisionMode:
-        """Switch among ``fp32``, ``tf32``, ``bf16`` and ``fp16`` between two optimizer steps (``PrecisionSchedule``).
-
-        Skip counters carry over; the loss scale carries over between scaling modes and starts from ``init_scale``
-        when fp16 begins. Raises before changing anything if the device cannot run the mode.
-        """
-        name = parse_precision(precision)
-        mode = resolve_mode(auto_choice(self.device)[0] if name == AUTO else name, self.device)
-        if self.mode is not None and mode.name == self.mode.name:
-            return mode
-        current = self.mode.name if self.mode is not None else self._requested
-        if self._converted is not None and (mode.fp8 or mode.true_half or (self.mode is not None and (self.mode.true_half or self.mode.fp8))):
-            raise ValueError(
-                f"set_precision({precision!r}): cannot switch from precision={current!r} to {mode.name!r} during"
-                " training: weights' dtypes, FP8 layers and master weights are fixed when training starts. Switch"
-                " among 'fp32', 'tf32', 'bf16' and 'fp16', or save a checkpoint and resume it in the other mode."
-            )
-        self._setup_mode(mode)
+        """Switch among ``fp32``, ``tf32``, ``bf16`` and ``fp16`` between two optimizer steps (``PrecisionSchedule``);
+        counters and the loss scale carry over. Raises before changing anything if the device cannot run the mode."""
+        mode = self._run.switch(precision, started=self._converted is not None)
+        self.stats.set_scaler(self.scaler)
         if self._steps is not None:
             self._steps.scaler = self.scaler
-            if self.scaler is not None:
-                self.scaler.ensure_initialized(torch.device(self.device))
-        self._apply_tf32()
         return mode
 
     # ------------------------------------------------------------------ set-up and teardown
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
-        self._sharded = distributed.check_strategy(distributed.strategy_of(module), self.mode, self.master_weights)
-        if self.scaler is not None and self._sharded != self.scaler.sharded:
-            self._setup_mode(self.mode)  # the scaler's class changes, its state carries over
-        lightning_module = distributed.unwrap_lightning_module(module)
-        device = distributed.root_device(lightning_module, module)
+        self._run.set_sharded(distributed.check_strategy(distributed.strategy_of(module), self.mode, self.master_weights))
+        self.stats.set_scaler(self.scaler)
+        device = distributed.root_device(distributed.unwrap_lightning_module(module), module)
         spec = self.fp32_guards
         if self.mode is not None and self.mode.autocast_only and device.type == "cuda":
             spec = spec.without_autocast_fp32()  # CUDA autocast runs these in fp32 already
         guarded = apply_fp32_guards(module, spec)
         self._guarded_classes = tuple({type(module.get_submodule(name)) for name in guarded})
-        if self._sharded and guarded and distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None:
+        if self._run.sharded and guarded and distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None:
             distributed.check_fsdp_wraps_guards(module, guarded, self.mode, self.fsdp_param_dtype)
-        if self.mode is not None and self.mode.true_half and not self._sharded:
-            cast_module_(module, self.mode.param_dtype, keep_fp32=guarded)  # (FSDP: the fp32 shards are the masters)
-        if self.mode is not None and self.mode.fp8 and self._fp8 is not None and self._fp8.model is not module:
-            self._fp8.convert(module, device=device, announce=rank_zero_info)  # swaps in place, before the optimizers
+        if not self._run.sharded:  # (FSDP: the fp32 shards are the masters; it gathers half weights)
+            cast_weights_(module, self.mode, guarded)
+        self._run.convert_fp8(module, device)  # swaps layers in place, before the optimizers exist
         self._converted = module
         return module
 
@@ -259,25 +179,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
         module = distributed.unwrap_lightning_module(model)
         device = distributed.root_device(module, model)
-        self.device = device.type
-        if self._requested == AUTO:
-            name, reason = auto_choice(self.device)
-            if self.mode is None or self.mode.name != name:
-                self._setup_mode(resolve_mode(name, self.device))
-                rank_zero_info(f"MPPlugin(precision='auto') chose {name!r} on {device}: {reason}.")
-                self._warn_unused_arguments()
-        else:
-            resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
-            if self.scaler is not None and self.scaler.device_type != self.device:
-                self._setup_mode(self.mode)  # rebuilt for the real device, state kept
-        self._fsdp_root = model if distributed.is_fsdp(model) else None
-        if self._fsdp_root is None and self.fsdp_param_dtype not in (None, "fp32"):
-            rank_zero_warn(f"MPPlugin: fsdp_param_dtype={self.fsdp_param_dtype!r} is set, but the model is not wrapped by FSDP: it takes effect with strategy='fsdp' only.")
-        distributed.apply_reduce_dtype(model, self.reduce_dtype, self.device, self._comm_hooked)
-        if self.scaler is not None:
-            self.scaler.ensure_initialized(device)
-            self.scaler.sync_across_ranks = distributed.world_size() > 1
-        self._apply_tf32()
+        self._run.connect(device)
+        self.stats.set_scaler(self.scaler)
+        self._fsdp_root = distributed.connect(model, self.scaler, self.reduce_dtype, self.fsdp_param_dtype, self._comm_hooked)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         masters = self._weights.connect(self.mode, module or model, raw, fsdp=self._fsdp_root is not None)
         self._steps = OptimizerSteps(
@@ -288,38 +192,14 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         )  # fmt: skip
         self._steps.connect(module, raw)
         self.stats.set_namer(self._weights.namer(module or model))
-        self._sums.reset()
         if self.hold_schedulers_on_skip and self.scaler is not None:
             self._hold.install(module, lr_schedulers)
-        if self._fp8 is not None and self.mode.fp8:
-            self._fp8.check(device)  # recipe-specific: e.g. mxfp8 needs Blackwell
-            trainer = getattr(module, "_trainer", None)
-            self._fp8.configure_weight_cache(
-                accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
-                automatic_optimization=module.automatic_optimization if module is not None else True,
-            )
-            self._fp8.watch_saturation(self.scaler is not None)  # saturated infs join the step's verdict
+        self._run.connect_fp8(module, device, watch=self.scaler is not None)
         return model, optimizers, lr_schedulers
-
-    def _apply_tf32(self) -> None:
-        wanted = self.tf32 if self.tf32 is not None else self.mode.tf32
-        if wanted is None:
-            self._restore_tf32()  # a switch away from fp32/tf32 gives the flags back
-            return
-        if self._tf32_saved is None:
-            self._tf32_saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = wanted
-
-    def _restore_tf32(self) -> None:
-        if self._tf32_saved is not None:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_saved
-            self._tf32_saved = None
 
     @override
     def teardown(self) -> None:
-        self._restore_tf32()
-        if self._fp8 is not None:
-            self._fp8.watch_saturation(False)  # TE's own amax reduction back, hooks off
+        self._run.teardown()  # TF32 flags and TE's own amax reduction back
         if self._steps is not None:
             self._steps.end_batch()
         self._hold.remove()
@@ -330,17 +210,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         """The ``torch.distributed.fsdp.MixedPrecision`` Lightning's FSDP strategy wraps the model with."""
         return distributed.fsdp_mixed_precision(self.mode, self.fsdp_param_dtype, self.reduce_dtype, self._guarded_classes)
 
-    @override
-    def tensor_init_context(self) -> Any:
-        return Precision.tensor_init_context(self)  # not FSDPPrecision's: weights are created in fp32
-
-    @override
-    def module_init_context(self) -> Any:
-        return Precision.module_init_context(self)
-
-    @override
-    def convert_output(self, data: Any) -> Any:
-        return Precision.convert_output(self, data)
+    # not FSDPPrecision's: weights are created in fp32, outputs are left as they are
+    tensor_init_context, module_init_context = Precision.tensor_init_context, Precision.module_init_context
+    convert_output = Precision.convert_output
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -384,13 +256,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def val_step_context(self) -> Any:
         return self._step_context(training=False)
 
-    @override
-    def test_step_context(self) -> Any:
-        return self._step_context(training=False)
-
-    @override
-    def predict_step_context(self) -> Any:
-        return self._step_context(training=False)
+    test_step_context = predict_step_context = val_step_context
 
     # ------------------------------------------------------------------ backward and step
     @override
@@ -398,15 +264,13 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         if self._steps is not None:
-            self._steps.before_backward(module)
-            if self._steps.masters is not None and distributed.grads_synced(module):
-                self._sums.start(self._steps.masters.pending_sums())  # reduced while this backward runs
+            self._steps.before_backward(module)  # true-half micro-batches sum in fp32
         return Precision.pre_backward(self, tensor, module)
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        if distributed.grads_synced(module):
-            self._sums.wait()
+        if self._steps is not None:
+            self._steps.after_backward(module)
         return Precision.post_backward(self, tensor, module)
 
     @override
@@ -459,19 +323,15 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         return self._steps.main_params(optimizer) if self._steps is not None else Precision.main_params(self, optimizer)
 
-    def _skipped_for(self, optimizer: Optional[Optimizer]) -> bool:
-        return self._steps is not None and self._steps.skipped_for(optimizer)
-
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        mode = self.mode.name if self.mode is not None else self._requested
-        return checkpoint.plugin_state(mode, self.scaler, self.masters, self._fp8, self.stats)
+        return checkpoint.plugin_state(self._run.name, self.scaler, self.masters, self._fp8, self.stats)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         checkpoint.load_plugin_state(
-            state_dict, current_mode=self.mode.name if self.mode is not None else self._requested, scaler=self.scaler,
+            state_dict, current_mode=self._run.name, scaler=self.scaler,
             masters=self.masters, master_weights=self.master_weights, fp8=self._fp8, stats=self.stats,
             module=self._converted,
         )  # fmt: skip
@@ -482,13 +342,3 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint:
             self.load_state_dict(checkpoint["MixedPrecision"])
 
-
-def _check_fsdp_param_dtype(mode: PrecisionMode, wanted: Optional[str]) -> None:
-    if wanted in (None, "fp32"):
-        return
-    if (mode.autocast_dtype or mode.param_dtype) is not distributed.REDUCE_DTYPES[wanted]:
-        raise ValueError(
-            f"fsdp_param_dtype={wanted!r} applies to precision={wanted!r} (FSDP gathers {wanted} weights for"
-            f" autocast to compute with), not to precision={mode.name!r}. Use fsdp_param_dtype='fp32' (or null)"
-            " with this mode."
-        )

@@ -44,13 +44,13 @@ from lightning.pytorch.core.optimizer import do_nothing_closure
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mp._host import HostCopy
 from lightning_mp.buffers import BufferSnapshot
+from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.master import MasterWeights, StepRecords
-from lightning_mp.scaling import DynamicLossScaler, _is_dtensor
+from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
 
@@ -104,6 +104,7 @@ class OptimizerSteps:
         self._optimizers: dict[int, _OptimizerState] = {}
         self._batch_verdicts: list[Tensor] = []  # this batch's verdicts, for the one scale update
         self._carry_sums = False
+        self._sums = FP32SumReduction()
 
     # ------------------------------------------------------------------ set-up
     def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
@@ -112,6 +113,7 @@ class OptimizerSteps:
         self.stats.set_optimizers([opt_state.stats for opt_state in self._optimizers.values()])
         self._batch_verdicts = []
         self.buffers.drop()
+        self._sums.reset()
         self._module = module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         # fp32 sums of micro-batches: only where Lightning owns zero_grad (automatic optimization)
@@ -143,9 +145,19 @@ class OptimizerSteps:
             state.stage = Stage.READY
 
     def before_backward(self, module: nn.Module) -> None:
-        """Micro-batch gradients of true-half parameters sum in fp32: move the half ones there first."""
+        """Micro-batch gradients of true-half parameters sum in fp32: move the half ones there first.
+
+        Under DDP's ``no_sync`` the sums are this rank's: they are reduced (in fp32) while the window's last
+        backward runs, whose half gradients DDP reduces as usual.
+        """
         if self._carry_sums and self._accumulating:
             self.masters.carry_grads_(module.parameters())
+            if grads_synced(module):
+                self._sums.start(self.masters.pending_sums())
+
+    def after_backward(self, module: nn.Module) -> None:
+        if grads_synced(module):
+            self._sums.wait()
 
     # ------------------------------------------------------------------ the step
     def run(

@@ -11,8 +11,25 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.distributed import world_size
-from lightning_mp.master import FP32MasterWeights, MasterWeights, keeps_own_masters, make_master_weights, seed_optimizer_masters
+from lightning_mp.master import (
+    FP32MasterWeights,
+    MasterWeights,
+    cast_module_,
+    keeps_own_masters,
+    make_master_weights,
+    seed_optimizer_masters,
+    upcast_kept_,
+)
 from lightning_mp.modes import PrecisionMode
+
+
+def cast_weights_(module: nn.Module, mode: Optional[PrecisionMode], guarded: list[str]) -> None:
+    """True-half modes: the weights outside the FP32 guards become half precision (in place). In every mode the
+    guarded modules' weights are fp32 (a model the user cast to half included)."""
+    if mode is not None and mode.true_half:
+        cast_module_(module, mode.param_dtype, keep_fp32=guarded)
+    else:
+        upcast_kept_(module, guarded)
 
 
 class MasterWeightsSetup:

@@ -1,0 +1,197 @@
+"""The precision a run uses right now: its mode, the loss scaler that goes with it, TF32 flags and FP8 machinery.
+
+``MPPlugin`` holds one; ``PrecisionSchedule`` switches it between optimizer steps through
+:meth:`MPPlugin.set_precision`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_mp.distributed import REDUCE_DTYPES
+from lightning_mp.fp8 import FP8Config, FP8Training
+from lightning_mp.modes import AUTO, MODES, PrecisionMode, auto_choice, parse_precision, provisional_lightning_precision, resolve_mode
+from lightning_mp.options import changed_scaler_arguments, make_scaler
+from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.true_half import MasterWeightsSetup
+
+
+class RunPrecision:
+    """Mode, scaler, TF32 and FP8 of one plugin; the scaler's state carries over when the mode changes.
+
+    Example::
+
+        run = RunPrecision("fp16", scaler_kwargs, skip_nonfinite=True, ...)
+        run.mode.name, run.scaler.get_scale()
+    """
+
+    def __init__(
+        self,
+        requested: str,
+        scaler_kwargs: dict[str, Any],
+        *,
+        device: str,
+        given_scaler: Optional[torch.amp.GradScaler],
+        skip_nonfinite: bool,
+        max_consecutive_skips: Optional[int],
+        tf32: Optional[bool],
+        fp8_config: FP8Config,
+        fsdp_param_dtype: Optional[str],
+        weights: MasterWeightsSetup,
+    ) -> None:
+        self.requested = requested
+        self.scaler_kwargs = scaler_kwargs
+        self.device = device
+        self.given_scaler = given_scaler
+        self.skip_nonfinite = skip_nonfinite
+        self.max_consecutive_skips = max_consecutive_skips
+        self.tf32 = tf32
+        self.fp8_config = fp8_config
+        self.fsdp_param_dtype = fsdp_param_dtype
+        self.weights = weights
+        self.mode: Optional[PrecisionMode] = None
+        self.scaler: Optional[DynamicLossScaler] = None
+        self.fp8: Optional[FP8Training] = None
+        self.sharded = False  # under Lightning's FSDP strategy (picks the scaler class)
+        self._tf32_saved: Optional[tuple[bool, bool]] = None
+        if requested == AUTO:
+            weights.check_argument(MODES[auto_choice(device)[0]])  # auto never picks true-half
+        else:
+            self.set_mode(MODES[requested])  # the hardware check waits for set-up, on the real device
+            self._check_arguments()
+
+    @property
+    def lightning_precision(self) -> str:
+        return self.mode.lightning_precision if self.mode is not None else provisional_lightning_precision(self.requested)
+
+    @property
+    def name(self) -> str:
+        return self.mode.name if self.mode is not None else self.requested
+
+    def set_mode(self, mode: PrecisionMode) -> None:
+        self.weights.check_argument(mode)
+        _check_fsdp_param_dtype(mode, self.fsdp_param_dtype)
+        if mode.fp8 and self.fp8 is None:
+            self.fp8 = FP8Training(self.fp8_config)
+        previous, self.mode = self.scaler, mode
+        self.scaler = self._build_scaler(mode, previous)
+
+    def set_sharded(self, sharded: bool) -> None:
+        if sharded != self.sharded:
+            self.sharded = sharded
+            if self.mode is not None:
+                self.set_mode(self.mode)  # the scaler's class changes, its state carries over
+
+    def _build_scaler(self, mode: PrecisionMode, previous: Optional[DynamicLossScaler]) -> Optional[DynamicLossScaler]:
+        if self.given_scaler is not None:
+            if not mode.needs_scaler:
+                raise MisconfigurationException(
+                    f"MPPlugin(precision={mode.name!r}) got a scaler, but this mode does not scale the loss; pass a"
+                    " scaler with precision='fp16' or 'fp16-true' only."
+                )
+            return DynamicLossScaler.adopt(self.given_scaler, sharded=self.sharded)
+        if not (mode.needs_scaler or self.skip_nonfinite):
+            return None
+        scaler = make_scaler(self.scaler_kwargs, self.device, scaling=mode.needs_scaler, sharded=self.sharded)
+        if previous is not None and previous.initialized:
+            scaler.load_state_dict(previous.state_dict())
+        return scaler
+
+    def _check_arguments(self) -> None:
+        changed = changed_scaler_arguments(self.scaler_kwargs)
+        if changed and not self.mode.needs_scaler:
+            rank_zero_warn(
+                f"MPPlugin: {', '.join(changed)} set, but precision={self.mode.name!r} does not scale the loss;"
+                " loss-scaling arguments take effect with precision='fp16' or 'fp16-true'."
+            )
+        if not self.skip_nonfinite and not self.mode.needs_scaler and self.max_consecutive_skips not in (None, 100):
+            raise ValueError(
+                f"max_consecutive_skips={self.max_consecutive_skips!r} counts skipped steps, but skip_nonfinite=False"
+                f" skips none in precision={self.mode.name!r}. Drop one of the two."
+            )
+
+    def connect(self, device: torch.device) -> None:
+        """The Trainer's device is known: settle ``auto``, check the hardware, put the scaler there."""
+        self.device = device.type
+        if self.requested == AUTO:
+            name, reason = auto_choice(self.device)
+            if self.mode is None or self.mode.name != name:
+                self.set_mode(resolve_mode(name, self.device))
+                rank_zero_info(f"MPPlugin(precision='auto') chose {name!r} on {device}: {reason}.")
+                self._check_arguments()
+        else:
+            resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
+            if self.scaler is not None and self.scaler.device_type != self.device:
+                self.set_mode(self.mode)  # rebuilt for the real device, state kept
+        if self.scaler is not None:
+            self.scaler.ensure_initialized(device)
+        self.apply_tf32()
+
+    def convert_fp8(self, module: Any, device: torch.device) -> None:
+        """fp8: swap the linear layers for Transformer Engine's (checks the GPU and TE first; logs what it did)."""
+        if self.mode is not None and self.mode.fp8 and self.fp8 is not None and self.fp8.model is not module:
+            self.fp8.convert(module, device=device, announce=rank_zero_info)
+
+    def connect_fp8(self, module: Any, device: torch.device, *, watch: bool) -> None:
+        if self.fp8 is None or not self.mode.fp8:
+            return
+        self.fp8.check(device)  # recipe-specific: e.g. mxfp8 needs Blackwell
+        trainer = getattr(module, "_trainer", None)
+        self.fp8.configure_weight_cache(
+            accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
+            automatic_optimization=module.automatic_optimization if module is not None else True,
+        )
+        self.fp8.watch_saturation(watch)  # infs that FP8 casts saturate join the step's verdict
+
+    def switch(self, precision: str, *, started: bool) -> PrecisionMode:
+        """Another mode between two optimizer steps (``started``: weights and layers are already converted)."""
+        name = parse_precision(precision)
+        mode = resolve_mode(auto_choice(self.device)[0] if name == AUTO else name, self.device)
+        if self.mode is not None and mode.name == self.mode.name:
+            return mode
+        fixed = mode.fp8 or mode.true_half or (self.mode is not None and (self.mode.true_half or self.mode.fp8))
+        if started and fixed:
+            raise ValueError(
+                f"set_precision({precision!r}): cannot switch from precision={self.name!r} to {mode.name!r} during"
+                " training: weights' dtypes, FP8 layers and master weights are fixed when training starts. Switch"
+                " among 'fp32', 'tf32', 'bf16' and 'fp16', or save a checkpoint and resume it in the other mode."
+            )
+        self.set_mode(mode)
+        if self.scaler is not None:
+            self.scaler.ensure_initialized(torch.device(self.device))
+        self.apply_tf32()
+        return mode
+
+    def apply_tf32(self) -> None:
+        wanted = self.tf32 if self.tf32 is not None else self.mode.tf32
+        if wanted is None:
+            self.restore_tf32()  # a switch away from fp32/tf32 gives the flags back
+            return
+        if self._tf32_saved is None:
+            self._tf32_saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = wanted
+
+    def teardown(self) -> None:
+        self.restore_tf32()
+        if self.fp8 is not None:
+            self.fp8.watch_saturation(False)  # TE's own amax reduction back, hooks off
+
+    def restore_tf32(self) -> None:
+        if self._tf32_saved is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self._tf32_saved
+            self._tf32_saved = None
+
+
+def _check_fsdp_param_dtype(mode: PrecisionMode, wanted: Optional[str]) -> None:
+    if wanted in (None, "fp32"):
+        return
+    if (mode.autocast_dtype or mode.param_dtype) is not REDUCE_DTYPES[wanted]:
+        raise ValueError(
+            f"fsdp_param_dtype={wanted!r} applies to precision={wanted!r} (FSDP gathers {wanted} weights for"
+            f" autocast to compute with), not to precision={mode.name!r}. Use fsdp_param_dtype='fp32' (or null)"
+            " with this mode."
+        )
