@@ -131,7 +131,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         )  # fmt: skip
         self.stats = StepStats(self._run.scaler)
         self._steps: Optional[OptimizerSteps] = None
-        self._hold = SchedulerHold(lambda opt: self._steps is not None and self._steps.skipped_for(opt))
+        self._hold = SchedulerHold()
         self._comm_hooked, self._fsdp_root = [], None  # DDP models given a reduce_dtype hook; the root FSDP module
         self._guarded_classes: tuple[type, ...] = ()
         self._converted: Optional[torch.nn.Module] = None
@@ -193,7 +193,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._steps.connect(module, raw)
         self.stats.set_namer(self._weights.namer(module or model))
         if self.hold_schedulers_on_skip and self.scaler is not None:
-            self._hold.install(module, lr_schedulers)
+            self._hold.install(module, lr_schedulers, skipped_for=self._steps.skipped_for)
         self._run.connect_fp8(module, device, watch=self.scaler is not None)
         return model, optimizers, lr_schedulers
 

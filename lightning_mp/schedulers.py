@@ -19,18 +19,21 @@ class SchedulerHold:
 
     Example::
 
-        hold = SchedulerHold(skipped_for=steps.skipped_for)
-        hold.install(module, trainer.lr_scheduler_configs)
+        hold = SchedulerHold()
+        hold.install(module, trainer.lr_scheduler_configs, skipped_for=steps.skipped_for)
         ...
         hold.remove()
     """
 
-    def __init__(self, skipped_for: Callable[[Optional[Optimizer]], bool]) -> None:
-        self._skipped_for = skipped_for
+    def __init__(self) -> None:
+        self._skipped_for: Optional[Callable[[Optional[Optimizer]], bool]] = None
         self._module: Optional[LightningModule] = None
         self._step_schedulers: set[int] = set()
 
-    def install(self, module: Optional[LightningModule], configs: list) -> None:
+    def install(
+        self, module: Optional[LightningModule], configs: list, skipped_for: Callable[[Optional[Optimizer]], bool]
+    ) -> None:
+        self._skipped_for = skipped_for
         self._step_schedulers = {
             id(c.scheduler) for c in configs if getattr(c, "interval", "epoch") == "step" and hasattr(c, "scheduler")
         }

@@ -112,16 +112,21 @@ class MasterWeightsSetup:
     def namer(self, model: Any) -> Callable[[Tensor], Optional[str]]:
         """Names of what the optimizer steps: a model parameter, or the fp32 stand-in of a half one."""
         names = {id(p): n for n, p in model.named_parameters()} if hasattr(model, "named_parameters") else {}
-        masters = self.masters
+        return _Namer(names, self.masters)
 
-        def name_of(tensor: Tensor) -> Optional[str]:
-            name = names.get(id(tensor))
-            if name is None and masters is not None:
-                param = masters.param_of(tensor)
-                name = names.get(id(param)) if param is not None else None
-            return name
 
-        return name_of
+class _Namer:
+    """Picklable: the plugin travels to spawned processes (``ddp_spawn``)."""
+
+    def __init__(self, names: dict[int, str], masters: Optional[MasterWeights]) -> None:
+        self.names, self.masters = names, masters
+
+    def __call__(self, tensor: Tensor) -> Optional[str]:
+        name = self.names.get(id(tensor))
+        if name is None and self.masters is not None:
+            param = self.masters.param_of(tensor)
+            name = self.names.get(id(param)) if param is not None else None
+        return name
 
 
 def _warn_eps_underflow(optimizers: list[Optimizer]) -> None:

@@ -4,9 +4,6 @@ skipped steps with BatchNorm, and torch.compile.
 Everything goes through the public surface only: a real ``Trainer``, the model's weights and buffers, and
 ``plugin.stats``. The package's internals are being redesigned, so nothing here reads a private attribute.
 Every test runs on the CPU with tiny models and a few steps.
-
-Tests that fail because of a reported, still open bug are marked ``xfail(strict=True)`` with the bug and its error
-in one line (see ``EP_OPEN_BUGS``); once the bug is fixed they XPASS, which fails the run until its entry is removed.
 """
 
 from __future__ import annotations
@@ -50,35 +47,10 @@ EP_TOL = {
     "fp16-true": 4e-3,  # measured at most 7e-4
 }
 
-EP_INFERENCE_BUG = (
-    "the guards read ._version of inference tensors: 'Inference tensors do not track version counter'"
-)
-EP_EMBEDDING_BUG = (
-    "a guarded Embedding feeds fp32 to a half Linear in true-half: 'mat1 and mat2 must have the same dtype'"
-)
-EP_BN_SKIP_BUG = "a skipped step keeps the BatchNorm running stats its poisoned forward wrote (inf/NaN)"
-EP_GRAPH_BREAK_BUG = "the FP32 guards' forward hooks break dynamo graphs (autocast setattr / saved-tensor hooks)"
 
-#: The reported bugs still open. Each failed, with the error in its reason, against the committed package (git HEAD
-#: a1ccc15) when these tests were written. Delete an entry when its fix lands: its tests then run as plain tests
-#: (until then a fixed bug shows as XPASS(strict), a failure, so a fix is never left unnoticed).
-EP_OPEN_BUGS = {EP_INFERENCE_BUG, EP_EMBEDDING_BUG, EP_BN_SKIP_BUG, EP_GRAPH_BREAK_BUG}
-
-
-def ep_known_bug(reason: str) -> list:
-    """``[xfail(strict=True, reason)]`` while the bug is open, else no mark."""
-    return [pytest.mark.xfail(strict=True, reason=reason)] if reason in EP_OPEN_BUGS else []
-
-
-def ep_mode_params(modes=EP_MODES, failing=(), reason: str = "") -> list:
-    """``modes`` as pytest params: the open bug ``reason`` marks those in ``failing``; tf32 skips on the CPU."""
-    params = []
-    for m in modes:
-        marks = ep_known_bug(reason) if m in failing else []
-        if m == "tf32":
-            marks.append(EP_TF32_SKIP)
-        params.append(pytest.param(m, marks=marks, id=m))
-    return params
+def ep_mode_params(modes=EP_MODES) -> list:
+    """``modes`` as pytest params; tf32 skips on the CPU."""
+    return [pytest.param(m, marks=[EP_TF32_SKIP] if m == "tf32" else [], id=m) for m in modes]
 
 
 # ------------------------------------------------------------------------------------------------- helpers
@@ -276,12 +248,9 @@ def ep_check_eval_outputs(mode: str, trainer: Trainer, model: EpGuardedNet, load
 
 @pytest.mark.parametrize("inference_mode", [True, False], ids=["inference_mode", "no_inference_mode"])
 @pytest.mark.parametrize("mode", ep_mode_params())
-def test_evaluation_loops_before_and_after_fit(mode: str, inference_mode: bool, request) -> None:
+def test_evaluation_loops_before_and_after_fit(mode: str, inference_mode: bool) -> None:
     """validate/test/predict on a model with every guarded kind, before fit and after a 3-step fit, agree with an
     fp32 run of the same weights."""
-    if inference_mode and mode in EP_LOW_MODES:
-        for mark in ep_known_bug(EP_INFERENCE_BUG):
-            request.applymarker(mark)
     model = EpGuardedNet()
     plugin = ep_plugin(mode)
     trainer = ep_trainer(plugin, max_steps=3, inference_mode=inference_mode)
@@ -300,12 +269,9 @@ def test_evaluation_loops_before_and_after_fit(mode: str, inference_mode: bool, 
 
 @pytest.mark.parametrize("kind", EP_KINDS)
 @pytest.mark.parametrize("mode", ("fp32", *EP_LOW_MODES))
-def test_evaluation_loops_per_guarded_kind(mode: str, kind: str, request) -> None:
+def test_evaluation_loops_per_guarded_kind(mode: str, kind: str) -> None:
     """Each guarded kind alone, under Lightning's default inference_mode=True: validate, test and predict run and
     agree with fp32."""
-    if mode in EP_LOW_MODES:
-        for mark in ep_known_bug(EP_INFERENCE_BUG):
-            request.applymarker(mark)
     model = EpGuardedNet((kind,))
     trainer = ep_trainer(ep_plugin(mode))  # inference_mode=True: Lightning's default
     ep_check_eval_outputs(mode, trainer, model, ep_loader(ep_class_data(n=16, seed=1)), "before fit")
@@ -340,7 +306,7 @@ class EpDistill(LightningModule):
         return torch.optim.Adam(self.student.parameters(), lr=2e-2)
 
 
-@pytest.mark.parametrize("mode", ep_mode_params(failing=EP_LOW_MODES, reason=EP_INFERENCE_BUG))
+@pytest.mark.parametrize("mode", ep_mode_params())
 def test_teacher_under_inference_mode_in_training_step(mode: str) -> None:
     model = EpDistill()
     teacher_before = ep_snapshot(model.teacher)
@@ -399,7 +365,7 @@ def ep_assert_embedding_trained(mode: str, model: EpEmbeddingNet, plugin: MPPlug
     assert model.losses[0] > 3.0 and max(model.losses[-2:]) < 0.6 * model.losses[0], model.losses
 
 
-@pytest.mark.parametrize("mode", ep_mode_params(failing=EP_TRUE_HALF, reason=EP_EMBEDDING_BUG))
+@pytest.mark.parametrize("mode", ep_mode_params())
 def test_guarded_embedding_trains(mode: str) -> None:
     """fp32_modules=["defaults", "Embedding"]: the Embedding stays fp32 and the model trains in every mode."""
     model, plugin = ep_fit_embedding(mode, ["defaults", "Embedding"])
@@ -467,10 +433,8 @@ def ep_fit_poisoned(mode: str, poison_batch: int, accumulate: int, batches: int 
     model = EpBatchNormNet(poison_batch)
     plugin = ep_plugin(mode)
     recorder = EpStateRecorder()
-    # inference_mode=False: the validation below must not trip over the (separate) inference-mode bug
     trainer = ep_trainer(
-        plugin, max_steps=batches // accumulate, callbacks=[recorder], accumulate_grad_batches=accumulate,
-        inference_mode=False,
+        plugin, max_steps=batches // accumulate, callbacks=[recorder], accumulate_grad_batches=accumulate
     )
     trainer.fit(model, train_dataloaders=ep_loader(ep_regression_data(n=8 * batches)))
     assert sorted(recorder.end) == list(range(batches))
@@ -491,7 +455,7 @@ def ep_assert_clean_after_skip(
     assert math.isfinite(result[0]["val_loss"]), f"{mode}: validation loss {result[0]['val_loss']}"
 
 
-@pytest.mark.parametrize("mode", ep_mode_params(failing=EP_MODES, reason=EP_BN_SKIP_BUG))
+@pytest.mark.parametrize("mode", ep_mode_params())
 def test_skipped_step_leaves_batchnorm_untouched(mode: str) -> None:
     poison = 2
     model, plugin, rec, trainer = ep_fit_poisoned(mode, poison_batch=poison, accumulate=1)
@@ -504,7 +468,7 @@ def test_skipped_step_leaves_batchnorm_untouched(mode: str) -> None:
     ep_assert_clean_after_skip(mode, model, plugin, trainer, steps=6)
 
 
-@pytest.mark.parametrize("mode", ep_mode_params(failing=EP_MODES, reason=EP_BN_SKIP_BUG))
+@pytest.mark.parametrize("mode", ep_mode_params())
 def test_skipped_accumulation_window_leaves_batchnorm_untouched(mode: str) -> None:
     """accumulate_grad_batches=2, the first micro-batch (2) of the window (2, 3) poisoned: after the window's
     skipped step every parameter and buffer equals what it was before the window began."""
@@ -544,7 +508,7 @@ def ep_explain(block: nn.Module, plugin: MPPlugin, x: torch.Tensor):
         return torch._dynamo.explain(block)(x)
 
 
-@pytest.mark.parametrize("mode", ep_mode_params(failing=EP_LOW_MODES, reason=EP_GRAPH_BREAK_BUG))
+@pytest.mark.parametrize("mode", ep_mode_params())
 def test_default_guards_add_no_graph_breaks(mode: str) -> None:
     plugin = MPPlugin(mode)
     torch.manual_seed(0)
