@@ -96,43 +96,44 @@ def state_bytes(opt: Any) -> int:
 
 
 def masters_section(shapes, device: torch.device, fused: bool, timer: Timer, args: argparse.Namespace, row) -> None:
-    """FP32MasterWeights as the plugin runs it: carry, check, fused AdamW on the masters, refresh; whole and parts."""
+    """FP32MasterWeights as the plugin's step runs it: gather, check, fused AdamW on the masters, write back."""
     params, grads = make_params(shapes, torch.bfloat16, device)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
     masters = FP32MasterWeights()
     masters.attach(opt)
     master_list = masters.tensors()
 
-    def carry() -> None:
-        for m in master_list:
-            m.grad = None
+    def gather():
         set_grads(params, grads)
-        masters.carry_grads_()
+        return masters.gather(opt)  # fp32 gradients on the masters (the bf16 ones stay where hooks read them)
 
     def check() -> None:
-        torch._foreach_norm([m.grad for m in master_list], math.inf)
+        torch._foreach_norm([m.grad for m in master_list if m.grad is not None], math.inf)
 
     def whole() -> None:
-        carry()
+        records = gather()
         check()
-        masters.prepare(opt)
-        opt.step()
-        masters.finish(opt, skipped=False)
+        with masters.stepping(records):
+            opt.step()
+        masters.write_back(records, skipped=False)
+
+    def step_alone() -> None:
+        with masters.stepping(records):
+            opt.step()
 
     t_whole = timer(whole, args.warmup, args.steps)
-    t_carry = timer(carry, args.warmup, args.steps)
+    t_gather = timer(lambda: masters.write_back(gather(), skipped=True), args.warmup, args.steps)
+    records = gather()
     t_check = timer(check, args.warmup, args.steps)
-    t_step = timer(opt.step, args.warmup, args.steps)
-    records = [(p, masters.master_of(p)) for p in params if masters.master_of(p) is not None]
-    t_refresh = timer(
-        lambda: torch._foreach_copy_([p.data for p, _ in records], [m.data for _, m in records]), args.warmup, args.steps
-    )
+    t_step = timer(step_alone, args.warmup, args.steps)
+    pairs = ([r.param.data for r in records.records], [r.standin.data for r in records.records])
+    t_refresh = timer(lambda: torch._foreach_copy_(*pairs), args.warmup, args.steps)
     masters_bytes = sum(m.numel() * m.element_size() for m in master_list)
     row("mp-masters", t_whole, state_bytes(opt) + masters_bytes, "MPPlugin('bf16-true'): all below")
-    row("  carry (bf16 -> fp32 grads)", t_carry, 0)
+    row("  gather (bf16 -> fp32 grads)", t_gather, 0)
     row("  check (inf-norm, fp32)", t_check, 0)
     row("  fused AdamW on fp32 masters", t_step, 0)
-    row("  refresh (fp32 -> bf16)", t_refresh, 0)
+    row("  write back (fp32 -> bf16)", t_refresh, 0)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:

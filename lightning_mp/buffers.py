@@ -32,31 +32,26 @@ class BufferSnapshot:
         self._buffers: list[Tensor] = []
         self._copies: list[Tensor] = []
         self._owners: list[Optional[frozenset[int]]] = []  # ids of the optimizers a buffer belongs to (None: all)
+        # where the buffers sit and whom they belong to, found once and checked each step (a host walk per step
+        # costs more than the copy itself on small models)
+        self._plan: Optional[tuple[int, list[tuple[dict, str, Tensor]], list[Optional[frozenset[int]]]]] = None
 
     @property
     def taken(self) -> bool:
         return bool(self._buffers)
 
+    def forget_plan(self) -> None:
+        """The model or the optimizers changed (a new ``fit``): find the buffers and their owners again."""
+        self._plan = None
+
     def take(self, module: nn.Module, optimizers: Iterable[Optimizer]) -> None:
-        found: list[tuple[nn.Module, Tensor]] = []
-        seen: set[int] = set()
-        for sub in module.modules():
-            for buf in sub.buffers(recurse=False):
-                if id(buf) not in seen and not buf.is_inference():
-                    seen.add(id(buf))
-                    found.append((sub, buf))
-        if not found:
+        plan = self._plan
+        if plan is None or plan[0] != id(module) or any(slots.get(key) is not buf for slots, key, buf in plan[1]):
+            plan = self._plan = (id(module), *_find(module, optimizers))
+        slots, owners = plan[1], plan[2]
+        if not slots:
             return
-        owner_of: dict[int, set[int]] = {}
-        for opt in optimizers:
-            for group in getattr(opt, "param_groups", []):
-                for p in group["params"]:
-                    owner_of.setdefault(id(p), set()).add(id(opt))
-        buffers = [buf for _, buf in found]
-        owners: list[Optional[frozenset[int]]] = []
-        for sub, _ in found:
-            own = set().union(*(owner_of.get(id(p), set()) for p in sub.parameters(recurse=False)))
-            owners.append(frozenset(own) if own else None)
+        buffers = [buf for _, _, buf in slots]
         if len(self._copies) != len(buffers) or any(
             c.shape != b.shape or c.dtype != b.dtype or c.device != b.device for c, b in zip(self._copies, buffers)
         ):
@@ -85,3 +80,28 @@ class BufferSnapshot:
     def drop(self) -> None:
         """The step is done: the next training step takes a new snapshot."""
         self._buffers, self._owners = [], []
+
+
+def _find(
+    module: nn.Module, optimizers: Iterable[Optimizer]
+) -> tuple[list[tuple[dict, str, Tensor]], list[Optional[frozenset[int]]]]:
+    """Every buffer of ``module`` (where it sits: its module's ``_buffers`` and key) and the optimizers it belongs to."""
+    found: list[tuple[nn.Module, dict, str, Tensor]] = []
+    seen: set[int] = set()
+    for sub in module.modules():
+        for key, buf in sub._buffers.items():
+            if buf is not None and id(buf) not in seen and not buf.is_inference():
+                seen.add(id(buf))
+                found.append((sub, sub._buffers, key, buf))
+    if not found:
+        return [], []
+    owner_of: dict[int, set[int]] = {}
+    for opt in optimizers:
+        for group in getattr(opt, "param_groups", []):
+            for p in group["params"]:
+                owner_of.setdefault(id(p), set()).add(id(opt))
+    owners: list[Optional[frozenset[int]]] = []
+    for sub, _, _, _ in found:
+        own = set().union(*(owner_of.get(id(p), set()) for p in sub.parameters(recurse=False)))
+        owners.append(frozenset(own) if own else None)
+    return [(slots, key, buf) for _, slots, key, buf in found], owners

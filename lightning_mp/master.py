@@ -102,8 +102,11 @@ def fp32_original(param: Tensor) -> Optional[Tensor]:
         return None
     value, cast_stamp = entry
     if cast_stamp != stamp(param):
-        del _FP32_ORIGINALS[param]  # written since: its own value is the truth
-        return None
+        # moved (``model.to(device)`` replaces the storage) or written since: compare values, once
+        if value.shape != param.shape or not bool(value.to(param.device, param.dtype).eq(param.detach()).all()):
+            del _FP32_ORIGINALS[param]  # written since: its own value is the truth
+            return None
+        _FP32_ORIGINALS[param] = (value, stamp(param))
     return value
 
 
@@ -596,19 +599,18 @@ class FP32MasterWeights(MasterWeights):
     def _new_held(self, param: nn.Parameter, original: Optional[Tensor]) -> Tensor:
         if original is not None:
             # the original itself becomes the master (no copy where it already sits on the device)
-            return original.to(device=param.device, dtype=torch.float32)
-        return param.detach().to(torch.float32, copy=True)
+            value = original.to(device=param.device, dtype=torch.float32)
+        else:
+            value = param.detach().to(torch.float32, copy=True)
+        return nn.Parameter(value, requires_grad=param.requires_grad)
 
     def _rederive(self, entry: _Entry) -> None:
         with torch.no_grad():
             entry.held.copy_(entry.param.detach())
 
     def _standin(self, entry: _Entry) -> nn.Parameter:
-        held = entry.held
-        if not isinstance(held, nn.Parameter):
-            held = entry.held = nn.Parameter(held, requires_grad=True)
-        held.requires_grad_(entry.param.requires_grad)
-        return held
+        entry.held.requires_grad_(entry.param.requires_grad)
+        return entry.held
 
     def master_of(self, param: nn.Parameter) -> Optional[Tensor]:
         """The fp32 master of a model parameter (``None`` if it has none, e.g. inside an FP32 guard)."""

@@ -105,6 +105,7 @@ class OptimizerSteps:
         self._batch_verdicts: list[Tensor] = []  # this batch's verdicts, for the one scale update
         self._carry_sums = False
         self._sums = FP32SumReduction()
+        self._hooks_write: Optional[bool] = None
 
     # ------------------------------------------------------------------ set-up
     def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
@@ -113,7 +114,9 @@ class OptimizerSteps:
         self.stats.set_optimizers([opt_state.stats for opt_state in self._optimizers.values()])
         self._batch_verdicts = []
         self.buffers.drop()
+        self.buffers.forget_plan()
         self._sums.reset()
+        self._hooks_write: Optional[bool] = None  # whether a hook that may write gradients runs (found once)
         self._module = module
         trainer = getattr(module, "_trainer", None) if module is not None else None
         # fp32 sums of micro-batches: only where Lightning owns zero_grad (automatic optimization)
@@ -261,6 +264,11 @@ class OptimizerSteps:
         return [standin.get(id(p), p) for p in params]
 
     def _hooks_may_write(self) -> bool:
+        if self._hooks_write is None:
+            self._hooks_write = self._find_writing_hooks()
+        return self._hooks_write
+
+    def _find_writing_hooks(self) -> bool:
         module = getattr(self, "_module", None)
         trainer = getattr(module, "_trainer", None) if module is not None else None
         if module is None or trainer is None:

@@ -115,7 +115,6 @@ def opt_all_finite(params: dict[str, torch.Tensor]) -> bool:
 # ---------------------------------------------------------------------------------------------------------------
 # master-weights usage tests (test_master_weights.py): helpers prefixed ``mw_``
 # ---------------------------------------------------------------------------------------------------------------
-import math as _mw_math
 from typing import Any as _MwAny, Optional as _MwOptional
 
 import torch as _mw_torch

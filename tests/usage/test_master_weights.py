@@ -35,15 +35,6 @@ from .conftest import (
 KINDS = ("fp32", "kahan", "stochastic")
 
 
-def xfail(reason: str):
-    return pytest.mark.xfail(strict=True, reason=reason)
-
-
-def kinds_with(**reasons: str) -> list:
-    """The master-weight kinds, those named in ``reasons`` marked xfail with that reason."""
-    return [pytest.param(k, marks=xfail(reasons[k])) if k in reasons else k for k in KINDS]
-
-
 def assert_params_equal(actual: dict, expected: dict, what: str) -> None:
     assert actual.keys() == expected.keys()
     for name in expected:
@@ -65,17 +56,13 @@ def half_state(module: MwMLP, precision: str = "bf16-true") -> dict:
 # ================================================================================================================
 # 1. The model's parameters are the truth
 # ================================================================================================================
-STALE_FP32 = "a reused plugin re-adopts its stale fp32 masters: weights written between fits are overwritten"
-STALE_KAHAN = "a reused plugin keeps stale Kahan compensation: it is added to the weights written between fits"
-
-
 @pytest.mark.parametrize(
     "precision, kind, plugin_reuse",
     [
-        pytest.param("bf16-true", "fp32", "same", marks=xfail(STALE_FP32)),
-        pytest.param("bf16-true", "kahan", "same", marks=xfail(STALE_KAHAN)),
+        ("bf16-true", "fp32", "same"),
+        ("bf16-true", "kahan", "same"),
         ("bf16-true", "stochastic", "same"),
-        pytest.param("fp16-true", "fp32", "same", marks=xfail(STALE_FP32)),
+        ("fp16-true", "fp32", "same"),
         ("bf16-true", "fp32", "new"),
         ("bf16-true", "kahan", "new"),
         ("bf16-true", "stochastic", "new"),
@@ -132,14 +119,7 @@ def _fit_with_swa(kind: str):
     return model, plugin, trainer, averaged
 
 
-@pytest.mark.parametrize(
-    "kind",
-    kinds_with(
-        fp32="after SWA wrote the averaged weights, the next fit with the same plugin steps from the stale fp32"
-        " masters",
-        kahan="after SWA wrote the averaged weights, the next fit adds the stale Kahan compensation to them",
-    ),
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_swa_averaged_weights_are_where_the_next_fit_starts(kind):
     model, plugin, _, averaged = _fit_with_swa(kind)
     model.lr = 0.0
@@ -148,14 +128,7 @@ def test_swa_averaged_weights_are_where_the_next_fit_starts(kind):
     assert_params_equal(recorder.end[0], averaged, "after the first step (lr=0) of the fit after SWA")
 
 
-@pytest.mark.parametrize(
-    "kind",
-    kinds_with(
-        fp32="a checkpoint saved after SWA holds the stale fp32 masters, and resuming steps from them, not from the"
-        " checkpoint's averaged weights",
-        kahan="a checkpoint saved after SWA holds stale Kahan compensation, added to the averaged weights on resume",
-    ),
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_resume_after_swa_continues_from_the_averaged_weights(kind, tmp_path):
     _, _, trainer, averaged = _fit_with_swa(kind)
     path = tmp_path / "swa.ckpt"
@@ -184,13 +157,7 @@ class _EffectiveWeights(Callback):
 
 
 @pytest.mark.parametrize("route", ["continue", "resume"])
-@pytest.mark.parametrize(
-    "kind",
-    kinds_with(
-        fp32="pruned zeros are revived from the stale fp32 masters at the next step",
-        kahan="pruned zeros are revived by the stale Kahan compensation at the next step",
-    ),
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_pruned_weights_stay_zero(kind, route, tmp_path):
     # (Lightning's default use_lottery_ticket_hypothesis=True breaks Lightning's own bf16-true: it writes the fp32
     # weights it copied at set-up into the half model. Off here.)
@@ -249,13 +216,7 @@ def test_resume_restores_the_checkpoint_and_continues_as_uninterrupted(kind, tmp
     assert_params_equal(mw_params(resumed), mw_params(uninterrupted), "resumed run against the uninterrupted one")
 
 
-KAHAN_TIE = (
-    "Kahan compensation is stored in bf16 and can round to exactly half a unit in the last place: a step that"
-    " changes nothing (lr=0) re-rounds weight + compensation at a tie and moves the weight by one unit"
-)
-
-
-@pytest.mark.parametrize("kind", kinds_with(kahan=KAHAN_TIE + " (2 of 128 weights here)"))
+@pytest.mark.parametrize("kind", KINDS)
 def test_resume_into_the_same_model_and_plugin_restores_the_checkpoint(kind, tmp_path):
     model = MwMLP(lr=0.1)
     plugin = mw_plugin("bf16-true", kind)
@@ -273,13 +234,7 @@ def test_resume_into_the_same_model_and_plugin_restores_the_checkpoint(kind, tmp
     assert_params_equal(recorder.end[0], at_checkpoint, "resumed, after the first step (lr=0)")
 
 
-@pytest.mark.parametrize(
-    "kind",
-    kinds_with(
-        fp32="resume takes the fp32 masters of the checkpoint's plugin entry over the weights in its state_dict",
-        kahan="resume adds the checkpoint's Kahan compensation to state_dict weights it no longer belongs to",
-    ),
-)
+@pytest.mark.parametrize("kind", KINDS)
 def test_resume_from_a_checkpoint_whose_weights_were_edited(kind, tmp_path):
     model = MwMLP(lr=0.1)
     trainer = mw_trainer(mw_plugin("bf16-true", kind), max_steps=3)
@@ -315,7 +270,7 @@ NOOP_INIT = 1.0 + 2.0**-6
 NOOP_LR = 2.0**-8 + 2.0**-17
 
 
-@pytest.mark.parametrize("kind", [*kinds_with(kahan=KAHAN_TIE), "none"])
+@pytest.mark.parametrize("kind", (*KINDS, "none"))
 def test_a_step_that_changes_nothing_leaves_the_weights(kind):
     model = MwProbe(lr=NOOP_LR, init=NOOP_INIT, batch_size=1, batches=3)
     recorder = MwRecordWeights()
@@ -379,22 +334,16 @@ class _Unfreeze(Callback):
         self._check(trainer, pl_module, "on_train_batch_end")
 
 
-LATE_NO_MASTERS = "a parameter that starts to train after set-up gets no master: its updates are rounded away"
-LATE_GROUP_NO_MASTERS = "a param group added after set-up gets no masters: its updates are rounded away"
+def _late_cases() -> list:
+    return [
+        (precision, kind)
+        for precision in ("bf16-true", "fp16-true")
+        for kind in (*KINDS, "none")
+        if not (precision == "fp16-true" and kind in ("kahan", "stochastic"))  # cheap enough, but bf16 shows the same
+    ]
 
 
-def _late_cases(reason: str) -> list:
-    cases = []
-    for precision in ("bf16-true", "fp16-true"):
-        for kind in (*KINDS, "none"):
-            if precision == "fp16-true" and kind in ("kahan", "stochastic"):
-                continue  # cheap enough, but bf16 shows the same
-            marks = () if kind == "none" else xfail(reason)
-            cases.append(pytest.param(precision, kind, marks=marks))
-    return cases
-
-
-@pytest.mark.parametrize("precision, kind", _late_cases(LATE_NO_MASTERS))
+@pytest.mark.parametrize("precision, kind", _late_cases())
 def test_layer_unfrozen_after_setup_gets_precise_updates(precision, kind):
     lr = _probe_lr(precision)
     # the backbone is in the optimizer from the start, frozen
@@ -407,7 +356,7 @@ def test_layer_unfrozen_after_setup_gets_precise_updates(precision, kind):
     _assert_moved_precisely(model.backbone.weight, 1.0, K, lr, kind, "backbone (unfrozen at epoch 1)")
 
 
-@pytest.mark.parametrize("precision, kind", _late_cases(LATE_GROUP_NO_MASTERS))
+@pytest.mark.parametrize("precision, kind", _late_cases())
 def test_param_group_added_by_user_code_gets_precise_updates(precision, kind):
     lr = _probe_lr(precision)
     model = MwProbe(
@@ -422,21 +371,7 @@ def test_param_group_added_by_user_code_gets_precise_updates(precision, kind):
     _assert_moved_precisely(model.backbone.weight, 1.0, K, lr, kind, "backbone (added in a new param group at epoch 1)")
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(
-            "fp32",
-            marks=xfail(
-                "BackboneFinetuning raises KeyError: it maps optimizer.param_groups to the module's parameters by"
-                " object, and the param groups hold the fp32 masters"
-            ),
-        ),
-        pytest.param("kahan", marks=xfail(LATE_GROUP_NO_MASTERS)),
-        pytest.param("stochastic", marks=xfail(LATE_GROUP_NO_MASTERS)),
-        "none",
-    ],
-)
+@pytest.mark.parametrize("kind", (*KINDS, "none"))
 def test_backbone_finetuning_unfreezes_with_precise_updates(kind):
     lr = _probe_lr("bf16-true")
     model = MwProbe(lr=lr, init=HEAD_INIT, backbone_init=1.0, trainable_only=True, batch_size=1, batches=K)
@@ -493,16 +428,15 @@ class _Visibility(Callback):
         self._identity(trainer, pl_module, "on_train_end")
 
 
-def _setups(fp32_reason: str, copies_reason: str) -> list:
-    """MPPlugin setups (marked where they fail) and Lightning's own bf16-true, the reference."""
-    return [
-        pytest.param("bf16-true", "fp32", marks=xfail(fp32_reason)),
-        pytest.param("fp16-true", "fp32", marks=xfail(fp32_reason)),
-        pytest.param("bf16-true", "kahan", marks=xfail(copies_reason) if copies_reason else ()),
-        pytest.param("bf16-true", "stochastic", marks=xfail(copies_reason) if copies_reason else ()),
-        ("bf16-true", "none"),
-        ("bf16-true", "lightning"),
-    ]
+#: MPPlugin setups and Lightning's own bf16-true, the reference
+SETUPS = [
+    ("bf16-true", "fp32"),
+    ("fp16-true", "fp32"),
+    ("bf16-true", "kahan"),
+    ("bf16-true", "stochastic"),
+    ("bf16-true", "none"),
+    ("bf16-true", "lightning"),
+]
 
 
 def _fit_visible(precision: str, kind: str, **trainer_kwargs):
@@ -518,27 +452,13 @@ def _fit_visible(precision: str, kind: str, **trainer_kwargs):
     return seen
 
 
-@pytest.mark.parametrize(
-    "precision, kind",
-    _setups(
-        "optimizer.param_groups hold the fp32 masters, not the model's parameters",
-        "in on_before_optimizer_step the param groups hold transient fp32 copies, not the model's parameters",
-    ),
-)
+@pytest.mark.parametrize("precision, kind", SETUPS)
 def test_param_groups_hold_the_model_parameters(precision, kind):
     seen = _fit_visible(precision, kind, max_steps=3)
     assert not seen.identity, seen.identity[:4]
 
 
-@pytest.mark.parametrize(
-    "precision, kind",
-    _setups(
-        "the gradients were moved to the fp32 masters: the model's parameters have grad None in"
-        " on_before_optimizer_step",
-        "the gradients were moved to transient fp32 copies: the model's parameters have grad None in"
-        " on_before_optimizer_step",
-    ),
-)
+@pytest.mark.parametrize("precision, kind", SETUPS)
 def test_model_parameters_carry_gradients_in_on_before_optimizer_step(precision, kind):
     seen = _fit_visible(precision, kind, max_steps=3)
     assert not seen.grads, seen.grads[:4]
@@ -572,18 +492,7 @@ class _TwoOptimizers(MwMLP):
         )
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        pytest.param(
-            "fp32",
-            marks=xfail("toggle_optimizer freezes the fp32 masters in the param groups, not the model's parameters"),
-        ),
-        "kahan",
-        "stochastic",
-        "none",
-    ],
-)
+@pytest.mark.parametrize("kind", (*KINDS, "none"))
 def test_toggle_optimizer_freezes_what_it_freezes_in_fp32(kind):
     reference = _TwoOptimizers()
     mw_trainer(precision="32-true", max_steps=4).fit(reference)
@@ -608,30 +517,9 @@ EXACT_MASTER = 1.0 - 47 * 2.0**-13
 EXACT_HALF = 1.0 - 2.0**-8
 ROUNDED_HALF = 1.0 - 2.0**-7
 
-FP32_START_LOST = "the fp32 weights the cast replaced are dropped"
-
 
 @pytest.mark.parametrize(
-    "scenario",
-    [
-        "fit",
-        pytest.param(
-            "validate_then_fit",
-            marks=xfail(f"{FP32_START_LOST} by validate (no optimizer): fit's masters start from the bf16 weights"),
-        ),
-        pytest.param(
-            "predict_then_fit",
-            marks=xfail(f"{FP32_START_LOST} by predict (no optimizer): fit's masters start from the bf16 weights"),
-        ),
-        pytest.param(
-            "plugin_reused",
-            marks=xfail("a plugin that already has masters does not keep a new model's fp32 weights for its masters"),
-        ),
-        pytest.param(
-            "second_model_same_trainer",
-            marks=xfail("a plugin that already has masters does not keep a new model's fp32 weights for its masters"),
-        ),
-    ],
+    "scenario", ["fit", "validate_then_fit", "predict_then_fit", "plugin_reused", "second_model_same_trainer"]
 )
 def test_masters_start_from_the_exact_fp32_weights(scenario, tmp_path):
     assert torch.tensor(EXACT_INIT).to(torch.bfloat16).item() == 1.0  # the start is not representable in bf16
@@ -678,17 +566,12 @@ class _ClearGrads(Callback):
         optimizer.zero_grad(set_to_none=True)
 
 
-KAHAN_NO_GRADS = (
-    "kahan's finish calls torch._foreach_copy_ on an empty list: 'Tensor list must have at least one tensor'"
-)
-
-
 @pytest.mark.parametrize(
     "precision, kind",
     [
         ("bf16-true", "fp32"),
-        pytest.param("bf16-true", "kahan", marks=xfail(KAHAN_NO_GRADS)),
-        pytest.param("fp16-true", "kahan", marks=xfail(KAHAN_NO_GRADS)),
+        ("bf16-true", "kahan"),
+        ("fp16-true", "kahan"),
         ("bf16-true", "stochastic"),
         ("bf16-true", "none"),
     ],
@@ -712,28 +595,15 @@ def test_step_with_gradients_cleared_in_on_before_optimizer_step(kind):
 # ================================================================================================================
 # 6. A model the user cast to half precision before fit
 # ================================================================================================================
-GUARD_HALF_WEIGHTS = (
-    "the fp32 guard runs the LayerNorm on fp32 inputs with the user's half weights: 'mixed dtype (CPU): expect"
-    " parameter to have scalar type of Float'"
-)
-
-
 @pytest.mark.parametrize(
     "setup, cast",
     [
         ("lightning:bf16-mixed", "bf16"),
         ("lightning:bf16-true", "bf16"),
         ("lightning:bf16-true", "fp16"),
-        pytest.param("bf16", "bf16", marks=xfail(GUARD_HALF_WEIGHTS)),
-        pytest.param("bf16-true", "bf16", marks=xfail(GUARD_HALF_WEIGHTS)),
-        pytest.param(
-            "bf16-true",
-            "fp16",
-            marks=xfail(
-                "the guarded LayerNorm keeps the user's fp16 while the rest is cast to bf16: 'master weights:"
-                " parameters of two half dtypes (torch.bfloat16 and torch.float16) in one run'"
-            ),
-        ),
+        ("bf16", "bf16"),
+        ("bf16-true", "bf16"),
+        ("bf16-true", "fp16"),
     ],
 )
 def test_model_cast_to_half_before_fit_trains(setup, cast):

@@ -1,0 +1,207 @@
+"""The optimizer step's CUDA-only paths: fused optimizers decide skips on the device (no host verdict), CUDA
+autocast leaves some guards unhooked, evaluation under inference_mode, and torch.compile graphs on the GPU.
+
+Skipped without CUDA. Run on the GPU machine from the repository root::
+
+    PYTHONPATH=.:tests python -m pytest -q -m gpu tests/gpu/test_step_gpu.py
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MPPlugin, NonFiniteTrainingError
+from lightning_mp.guards import apply_fp32_guards
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the GPU machine)"),
+]
+
+MODES = ["fp32", "bf16", "fp16", "bf16-true", "fp16-true"]
+
+
+def trainer(plugin: MPPlugin, **kwargs) -> Trainer:
+    kwargs.setdefault("max_steps", 6)
+    return Trainer(
+        accelerator="gpu", devices=1, plugins=[plugin], logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, **kwargs,
+    )  # fmt: skip
+
+
+def scaler_args(mode: str) -> dict:
+    return {"init_scale": 2.0**8} if "fp16" in mode else {}
+
+
+class BNNet(LightningModule):
+    """Linear → BatchNorm → LayerNorm → Linear, fused AdamW, a step-interval scheduler; one batch poisoned."""
+
+    def __init__(self, poison: int = 2, optimizer: str = "fused") -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.LayerNorm(64), nn.Linear(64, 1))
+        self.poison = poison
+        self.optimizer = optimizer
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step == self.poison:
+            x = x.clone()
+            x[0, 0] = float("inf")  # poisons the forward (BatchNorm statistics) and the gradients
+        return nn.functional.mse_loss(self.net(x).float(), y.float())
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y.float())
+        self.log("val_loss", loss)
+        return loss
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0])
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-2, fused=self.optimizer == "fused")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def loader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(128, 32, generator=g), torch.randn(128, 1, generator=g)), batch_size=16)
+
+    train_dataloader = val_dataloader = predict_dataloader = loader
+
+
+class Snap(Callback):
+    def __init__(self) -> None:
+        self.before: list[dict] = []
+        self.after: list[dict] = []
+
+    @staticmethod
+    def take(trainer, module) -> dict:
+        opt = trainer.optimizers[0]
+        return {
+            "params": {k: v.detach().clone() for k, v in module.named_parameters()},
+            "buffers": {k: v.detach().clone() for k, v in module.named_buffers()},
+            "state": copy.deepcopy(opt.state_dict()["state"]),
+            "lr": opt.param_groups[0]["lr"],
+        }
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        self.before.append(self.take(trainer, module))
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.after.append(self.take(trainer, module))
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("optimizer", ["fused", "foreach"])
+def test_skipped_step_changes_nothing_on_cuda(mode, optimizer):
+    """Parameters, masters, Adam state (step count), BatchNorm buffers and the LR stay put on a skipped step, also
+    when a fused optimizer skips on the device and the host never learns the verdict during the step."""
+    seed_everything(0)
+    plugin = MPPlugin(mode, **scaler_args(mode))
+    snap = Snap()
+    model = BNNet(optimizer=optimizer)
+    trainer(plugin, callbacks=[snap]).fit(model)
+    i = model.poison
+    assert same(snap.before[i], snap.after[i]), f"{mode}: the poisoned step changed state"
+    assert not same(snap.before[i + 1]["params"], snap.after[i + 1]["params"])
+    assert plugin.stats.skipped_steps == 1 and plugin.stats.steps == 6
+    result = trainer(plugin).validate(model, verbose=False)[0]["val_loss"]
+    assert math.isfinite(result)
+    if plugin.masters is not None and hasattr(plugin.masters, "master_of"):
+        for p in model.parameters():
+            master = plugin.masters.master_of(p)
+            if master is not None:
+                assert torch.equal(master.to(p.dtype), p)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("inference_mode", [True, False])
+def test_evaluation_under_inference_mode_on_cuda(mode, inference_mode):
+    seed_everything(0)
+    model = BNNet(poison=-1)
+    t = trainer(MPPlugin(mode, **scaler_args(mode)), inference_mode=inference_mode, max_steps=2)
+    t.fit(model)
+    assert math.isfinite(t.validate(model, verbose=False)[0]["val_loss"])
+    preds = t.predict(model)
+    assert all(torch.isfinite(p.float()).all() for p in preds)
+
+
+class TwoOptimizers(LightningModule):
+    """Manual optimization; the second optimizer's gradients are always NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.b = nn.Linear(16, 1)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        loss = nn.functional.mse_loss(self.b(self.a(x)).float(), y.float())
+        self.manual_backward(loss)
+        self.b.weight.grad.fill_(float("nan"))
+        opt_a.step()
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.a.parameters(), fused=True), torch.optim.AdamW(self.b.parameters(), fused=True)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g)), batch_size=8)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16-true"])
+def test_divergence_stop_per_optimizer_with_fused_optimizers_on_cuda(mode):
+    """Fused optimizers: the verdict reaches the host a step late; the stop still comes, for the one optimizer."""
+    seed_everything(0)
+    with pytest.raises(NonFiniteTrainingError, match="optimizer 1"):
+        trainer(MPPlugin(mode, max_consecutive_skips=3, **scaler_args(mode)), max_steps=20).fit(TwoOptimizers())
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.mlp(self.ln2(x))
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16-true"])
+def test_guards_add_no_graph_breaks_on_cuda(mode):
+    plugin = MPPlugin(mode)
+    block = Block().cuda()
+    if plugin.mode.true_half:
+        plugin.convert_module(block)
+    else:
+        apply_fp32_guards(block)  # every default guard, also those CUDA autocast makes redundant
+    dtype = plugin.mode.param_dtype or torch.float32
+    x = torch.randn(4, 32, 64, device="cuda", dtype=dtype)
+    torch._dynamo.reset()
+    with plugin.forward_context():
+        explained = torch._dynamo.explain(block)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
