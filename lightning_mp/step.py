@@ -252,7 +252,7 @@ class OptimizerSteps:
 
     def _standing_in(self, state: _OptimizerState) -> Any:
         """Inside: the fp32 stand-ins hold the half parameters' places (and state) in the param groups."""
-        return self.masters.stepping(state.records) if state.records is not None else contextlib.nullcontext()
+        return self._standing_in_records(state.records)
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:
         """What clipping works on: the optimizer's parameters, with fp32 stand-ins for the half ones (true-half)."""
@@ -352,45 +352,62 @@ class OptimizerSteps:
         """An optimizer that evaluates the closure itself (LBFGS, SAM): check every evaluation, undo if any failed.
 
         The step runs as the optimizer wants it; every gradient it computes is checked after the hooks ran, and if
-        any was inf/NaN the parameters, the optimizer state and the buffers go back to their values before the step.
+        any was inf/NaN the parameters (and masters), the optimizer state and the buffers go back to their values
+        before the step. With master weights the optimizer steps the fp32 stand-ins; before each evaluation the
+        model's half weights take the stand-ins' values (e.g. SAM's perturbed point), after it the stand-ins take the
+        half gradients in fp32.
         """
         scaler = self.scaler
-        name = type(optimizer).__name__
-        if self.masters is not None or (scaler is not None and scaler.scaling):
+        if scaler is not None and scaler.scaling:
             raise MisconfigurationException(
-                f"MPPlugin: {name} evaluates its closure inside step(), which cannot be combined with"
-                + (" a loss scale (fp16)" if scaler is not None and scaler.scaling else " master weights")
-                + ". Use precision 'fp32', 'tf32' or 'bf16' (or 'bf16-true' with master_weights='none') with"
-                " closure-taking optimizers."
+                f"MPPlugin: {type(optimizer).__name__} evaluates its closure inside step(), which cannot be combined"
+                " with a loss scale (fp16 and fp16-true), as torch's GradScaler cannot. Use precision 'fp32', 'tf32',"
+                " 'bf16' or 'bf16-true' with closure-taking optimizers."
             )
         state = self._state(optimizer)
-        if scaler is None:
-            return optimizer.step(closure=_then(closure, hooks_and_clipping), **kwargs)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        saved_params = [p.detach().clone() for p in params]
-        saved_state = copy.deepcopy(optimizer.state_dict()["state"])
+        records = self.masters.gather(optimizer) if self.masters is not None else None
+        standin = {id(r.param): r.standin for r in records.records} if records is not None else {}
+        model_params = [p for g in optimizer.param_groups for p in g["params"]]
+        stepped = [standin.get(id(p), p) for p in model_params]  # what the optimizer holds during the step
+        if scaler is not None:  # what a skip restores
+            saved = [t.detach().clone() for t in (*stepped, *model_params)]
+            saved_state = copy.deepcopy(optimizer.state_dict()["state"])
         bad: list[Tensor] = []
 
-        def checked() -> Any:
+        def evaluate() -> Any:
+            if records is not None:
+                with torch.no_grad():
+                    for r in records.records:
+                        r.param.copy_(r.standin)  # the closure evaluates the model where the optimizer stands
+                self.masters.swap_out(records)  # its zero_grad and backward act on the model's own parameters
             result = closure()
             hooks_and_clipping()
-            grads = [p.grad for p in params if p.grad is not None]
-            if grads:
+            if records is not None:
+                self.masters.swap_in(records)
+                for r in records.records:
+                    r.standin.grad = None if r.param.grad is None else r.param.grad.float()
+            grads = [t.grad for t in stepped if t.grad is not None]
+            if scaler is not None and grads:
                 bad.append(~torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf)).max()))
             return result
 
-        out = optimizer.step(closure=checked, **kwargs)
+        with self._standing_in_records(records):
+            out = optimizer.step(closure=evaluate, **kwargs)
         skipped = bool(torch.stack(bad).any().item()) if bad else False  # one sync, as GradScaler pays
         if skipped:
             with torch.no_grad():
-                for p, v in zip(params, saved_params):
-                    p.copy_(v)
+                for t, v in zip((*stepped, *model_params), saved):
+                    t.copy_(v)
             full = optimizer.state_dict()
             full["state"] = saved_state
-            optimizer.load_state_dict(full)
+            with self._standing_in_records(records):
+                optimizer.load_state_dict(full)
             self.buffers.restore(optimizer, True, None)
+        if records is not None:
+            self.masters.write_back(records, skipped=skipped)
         state.stats.record(skipped, None)
-        self._batch_verdicts.append(torch.tensor(float(skipped), device=scaler.scale_device))
+        if scaler is not None:
+            self._batch_verdicts.append(torch.tensor(float(skipped), device=scaler.scale_device))
         if model.automatic_optimization:
             self._update_scale()
             self.buffers.drop()
@@ -398,6 +415,9 @@ class OptimizerSteps:
             state.stage = Stage.STEPPED
         self._check_divergence(model, state)
         return out
+
+    def _standing_in_records(self, records: Optional[StepRecords]) -> Any:
+        return self.masters.stepping(records) if records is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ after the step
     def _update_scale(self) -> None:
@@ -433,15 +453,6 @@ class OptimizerSteps:
             + (f", loss scale {scale:g}" if scale is not None else "")
             + f". Training stopped: {advice}. NonFiniteDetector names the module that produced it."
         )
-
-
-def _then(closure: Callable[[], Any], after: Callable[[], None]) -> Callable[[], Any]:
-    def run() -> Any:
-        result = closure()
-        after()
-        return result
-
-    return run
 
 
 def _as_flag(verdict: Optional[Tensor], scaler: DynamicLossScaler) -> Tensor:

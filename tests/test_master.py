@@ -516,13 +516,22 @@ def test_set_precision_refuses_to_leave_or_enter_true_half_during_training():
         make_trainer(MPPlugin("bf16"), max_steps=3, callbacks=[Enter()]).fit(HalfNet())
 
 
-def test_lbfgs_with_master_weights_is_refused_with_advice():
+@pytest.mark.parametrize("kind", ["fp32", "kahan"])
+def test_lbfgs_steps_the_masters(kind):
+    """LBFGS evaluates its closure inside step(): it steps the fp32 stand-ins, the model evaluates at their values."""
+
     class WithLBFGS(HalfNet):
         def configure_optimizers(self):
-            return torch.optim.LBFGS(self.parameters())
+            return torch.optim.LBFGS(self.parameters(), lr=0.5, max_iter=4)
 
-    with pytest.raises(Exception, match="LBFGS.*master_weights='none'"):
-        fit("bf16-true", "fp32", 1, model=WithLBFGS())
+    model = WithLBFGS()
+    trainer, plugin, model = fit("bf16-true", kind, 6, model=model)
+    assert plugin.stats.steps == 6 and plugin.stats.skipped_steps == 0
+    assert model.losses[-1] < 0.5 * model.losses[0]
+    if kind == "fp32":
+        for p in model.parameters():
+            master = plugin.masters.master_of(p)
+            assert master is None or torch.equal(master.to(p.dtype), p)
 
 
 def test_yaml_sets_precision_master_weights_and_fp32_modules(tmp_path):

@@ -304,7 +304,7 @@ def test_lbfgs_runs_checked_where_it_can_and_is_refused_with_advice_where_not():
         def configure_optimizers(self):
             return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
 
-    with pytest.raises(Exception, match="LBFGS evaluates its closure.*loss scale.*'fp32', 'tf32' or 'bf16'"):
+    with pytest.raises(Exception, match="LBFGS evaluates its closure.*loss scale.*'fp32', 'tf32', 'bf16' or 'bf16-true'"):
         make_trainer(MPPlugin("fp16"), max_steps=1).fit(WithLBFGS())
     for mode in ("fp32", "bf16"):
         model = WithLBFGS(poison_grad=(2,))

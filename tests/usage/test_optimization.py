@@ -17,12 +17,11 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_mp import NonFiniteDetector, NonFiniteTrainingError
+from lightning_mp import MPPlugin, NonFiniteDetector, NonFiniteTrainingError
 
 from .conftest import (
     OPT_MODES,
@@ -43,11 +42,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:.*The number of training batches.*",
     "ignore:.*GPU available but not used.*",
 )
-
-
-def _xfail(reason: str, raises: type[BaseException] = AssertionError):
-    """A known bug: the test must fail (strict), and with the exception the bug gives (not another one)."""
-    return pytest.mark.xfail(strict=True, reason=reason, raises=raises)
 
 
 def _mlp() -> nn.Module:
@@ -526,16 +520,7 @@ def _plain_torch_sam(initial: dict) -> nn.Module:
     return net
 
 
-SAM_MASTERS_REFUSED = (
-    "bf16-true (master weights) refuses closure-taking optimizers, which Lightning's bf16-true trains:"
-    " 'MisconfigurationException: MPPlugin: OptSAM evaluates its closure inside step(), which cannot be combined"
-    " with master weights'"
-)
-
-
-@pytest.mark.parametrize(
-    "mode", ["fp32", "bf16", pytest.param("bf16-true", marks=_xfail(SAM_MASTERS_REFUSED, MisconfigurationException))]
-)
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-true"])
 def test_closure_taking_optimizer_trains(mode):
     torch.manual_seed(0)
     model = OptSAMModel()
@@ -548,6 +533,44 @@ def test_closure_taking_optimizer_trains(mode):
     if mode == "fp32":
         reference = _plain_torch_sam(initial)
         opt_assert_nested_equal(opt_params(model.net), opt_params(reference), "SAM weights vs plain torch")
+
+
+class OptSAMPoisoned(OptSAMModel):
+    """The closure's gradient (at SAM's perturbed point) is NaN on one batch: that step must change nothing."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        opt = self.optimizers()
+        opt.zero_grad()
+        self.manual_backward(_mse(self.net(x), y))
+
+        def closure():
+            opt.zero_grad()
+            loss = _mse(self.net(x), y) * (math.nan if batch_idx == 2 else 1.0)
+            self.manual_backward(loss)
+            return loss
+
+        opt.step(closure=closure)
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("fp32", None), ("bf16", None), ("bf16-true", "fp32"), ("bf16-true", "kahan")])
+def test_closure_taking_optimizer_skips_a_poisoned_evaluation(mode, kind):
+    model = OptSAMPoisoned()
+    plugin = MPPlugin(mode, **({"master_weights": kind} if kind else {}))
+    seen = []
+
+    class Weights(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+    opt_trainer(plugin, max_steps=4, callbacks=[Weights()]).fit(model)
+    assert plugin.stats.skipped_steps == 1 and plugin.stats.steps == 4
+    opt_assert_nested_equal(seen[2], seen[1], "weights across the poisoned SAM step")
+    assert not torch.equal(seen[3]["net.0.weight"], seen[2]["net.0.weight"])
+    if kind == "fp32":  # the masters did not move either: the weights are still their rounding
+        for p in model.parameters():
+            master = plugin.masters.master_of(p)
+            assert master is None or torch.equal(master.to(p.dtype), p)
 
 
 @pytest.mark.parametrize("mode", OPT_SCALING_MODES)
