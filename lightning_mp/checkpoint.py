@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_mp.master import MasterWeights, fp32_values
+from lightning_mp.modes import MODES
 from lightning_mp.stats import StepStats
 
 
@@ -64,7 +65,7 @@ def load_plugin_state(
         rank_zero_warn(
             f"MPPlugin: the checkpoint was written with precision={saved_mode!r} and training resumes with"
             f" precision={current_mode!r}; skip counters are kept"
-            + (", the loss scale starts from init_scale." if saved_mode != "fp16" and current_mode == "fp16" else ".")
+            + (", the loss scale starts from init_scale." if _scales(current_mode) and not _scales(saved_mode) else ".")
         )
     scaler_state = state.get("scaler")
     if scaler_state is not None and scaler is not None:
@@ -76,6 +77,11 @@ def load_plugin_state(
     _load_master_weights(state.get("master_weights"), masters, master_weights, current_mode, module)
     if fp8 is not None:
         fp8.load_state_dict(state.get("fp8"))  # warns when the recipe changed
+
+
+def _scales(mode: Any) -> bool:
+    known = MODES.get(mode) if isinstance(mode, str) else None
+    return known is not None and known.needs_scaler
 
 
 def _load_counters(state: dict[str, Any], stats: StepStats) -> None:

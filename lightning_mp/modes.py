@@ -122,6 +122,11 @@ def parse_precision(value: object) -> str:
     )
 
 
+def uses_fp8_settings(name: str) -> bool:
+    """Whether a requested precision (a canonical name, or ``auto``) may run FP8, where ``fp8=...`` settings apply."""
+    return name == AUTO or (name in MODES and MODES[name].fp8)
+
+
 def bf16_supported(device_type: str) -> bool:
     """Whether bf16 autocast runs natively on this kind of device (CPU autocast always supports it)."""
     if device_type == "cuda":

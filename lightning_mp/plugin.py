@@ -27,11 +27,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp import checkpoint, distributed
+import lightning_mp.distributed as distributed
+from lightning_mp.checkpoint import load_plugin_state, plugin_state
 from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
 from lightning_mp.master import parse_master_weights
-from lightning_mp.modes import AUTO, PrecisionMode, parse_precision
+from lightning_mp.modes import PrecisionMode, parse_precision, uses_fp8_settings
 from lightning_mp.options import check_flags, check_options
 from lightning_mp.scaling import _is_dtensor
 from lightning_mp.schedulers import SchedulerHold
@@ -116,7 +117,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                       reduce_dtype=reduce_dtype, fsdp_param_dtype=fsdp_param_dtype, device=device,
                       scaler_kwargs=scaler_kwargs)  # fmt: skip
         requested = parse_precision(precision)
-        if fp8 is not None and requested not in ("fp8", AUTO):
+        if fp8 is not None and not uses_fp8_settings(requested):
             rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={requested!r}; they take effect with 'fp8'.")
         self.max_consecutive_skips, self.hold_schedulers_on_skip = max_consecutive_skips, hold_schedulers_on_skip
         self.release_grads_after_step = release_grads_after_step
@@ -326,11 +327,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return checkpoint.plugin_state(self._run.name, self.scaler, self.masters, self._fp8, self.stats)
+        return plugin_state(self._run.name, self.scaler, self.masters, self._fp8, self.stats)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        checkpoint.load_plugin_state(
+        load_plugin_state(
             state_dict, current_mode=self._run.name, scaler=self.scaler,
             masters=self.masters, master_weights=self.master_weights, fp8=self._fp8, stats=self.stats,
             module=self._converted,

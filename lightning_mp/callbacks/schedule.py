@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_mp.modes import AUTO, MODES, PLANNED, parse_precision, resolve_mode
-from lightning_mp.plugin import MPPlugin
+from lightning_mp.stats import StepStats
 
 INTERVALS = ("step", "epoch")
 
@@ -122,7 +122,7 @@ class PrecisionSchedule(Callback):
         self._skips: deque[int] = deque()  # steps (with repeats) at which the current mode skipped
         self._counted_skips: Optional[int] = None  # MPPlugin's skip counter at the last read (fused path)
         self._last_step: Optional[int] = None
-        self._plugin: Optional[MPPlugin] = None
+        self._plugin: Optional[Any] = None  # the MPPlugin in use
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -130,7 +130,7 @@ class PrecisionSchedule(Callback):
         if stage != "fit":
             return
         plugin = trainer.precision_plugin
-        if not isinstance(plugin, MPPlugin):
+        if not _is_mpplugin(plugin):
             raise MisconfigurationException(
                 f"PrecisionSchedule switches precision through MPPlugin, but this Trainer uses"
                 f" {type(plugin).__name__} (precision={trainer.precision!r}). Use"
@@ -225,13 +225,13 @@ class PrecisionSchedule(Callback):
         else:
             rank_zero_info(message)
 
-    def _observe_skips(self, plugin: MPPlugin, step: int) -> None:
+    def _observe_skips(self, plugin: Any, step: int) -> None:
         while self._skips and self._skips[0] <= step - self.window:
             self._skips.popleft()  # what is left are the skips within the window
         scaler = plugin.scaler
         if scaler is None:
             return  # this mode runs without the inf/NaN guard: nothing is skipped
-        known = getattr(scaler, "last_skipped_host", None)
+        known = plugin.stats.skipped_known()  # never waits for the device
         if known is not None:
             if known:
                 self._skips.append(step)
@@ -241,9 +241,9 @@ class PrecisionSchedule(Callback):
                 self._skips.extend([step] * (total - self._counted_skips))
             self._counted_skips = total
 
-    def _require_plugin(self, trainer: Trainer) -> MPPlugin:
+    def _require_plugin(self, trainer: Trainer) -> Any:
         plugin = trainer.precision_plugin
-        if not isinstance(plugin, MPPlugin):
+        if not _is_mpplugin(plugin):
             raise MisconfigurationException(f"PrecisionSchedule needs MPPlugin; found {type(plugin).__name__}.")
         self._plugin = plugin
         return plugin
@@ -306,3 +306,7 @@ def _runnable(value: Any, what: str) -> str:
         )
     return name
 
+
+def _is_mpplugin(plugin: Any) -> bool:
+    """MPPlugin, known by what this callback uses of it (callbacks do not import the plugin)."""
+    return isinstance(getattr(plugin, "stats", None), StepStats) and callable(getattr(plugin, "set_precision", None))
