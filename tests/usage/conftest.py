@@ -118,7 +118,7 @@ def opt_all_finite(params: dict[str, torch.Tensor]) -> bool:
 from typing import Any as _MwAny, Optional as _MwOptional
 
 import torch as _mw_torch
-from lightning.pytorch import Callback as _MwCallback, LightningModule as _MwLightningModule, Trainer as _MwTrainer
+from lightning.pytorch import Callback as _MwCallback, LightningModule as _MwLightningModule
 from torch import nn as _mw_nn
 from torch.utils.data import DataLoader as _MwDataLoader, TensorDataset as _MwTensorDataset
 
@@ -139,22 +139,7 @@ def mw_plugin(precision: str, master_weights: _MwOptional[str] = None, **kwargs:
 
 def mw_trainer(plugin: _MwAny = None, *, precision: _MwOptional[str] = None, callbacks=(), **kwargs: _MwAny):
     """A quiet CPU Trainer; ``plugin`` an MPPlugin (or None), ``precision`` Lightning's own precision flag."""
-    defaults: dict = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-    )
-    defaults.update(kwargs)
-    if plugin is not None:
-        defaults["plugins"] = [plugin]
-    if precision is not None:
-        defaults["precision"] = precision
-    return _MwTrainer(callbacks=list(callbacks), **defaults)
+    return opt_trainer(plugin, kwargs.pop("max_steps", -1), callbacks, precision, **kwargs)
 
 
 class MwProbe(_MwLightningModule):

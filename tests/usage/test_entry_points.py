@@ -22,6 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MPPlugin
 from lightning_mp.guards import apply_fp32_guards, fp32_layer_norm
 
+from .conftest import opt_trainer
+
 pytestmark = pytest.mark.filterwarnings(
     "ignore:You defined a `validation_step` but have no `val_dataloader`",  # fit gets no validation data here
     "ignore:Dynamo does not know how to trace",  # the graph-break test's subject, reported by its assertion
@@ -63,18 +65,8 @@ def ep_plugin(mode: str, **kwargs: Any) -> MPPlugin:
 
 
 def ep_trainer(plugin: MPPlugin, max_steps: int = 3, callbacks=(), **kwargs: Any) -> Trainer:
-    settings: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-    )
-    settings.update(kwargs)
-    return Trainer(plugins=[plugin], callbacks=list(callbacks), **settings)
+    kwargs.setdefault("limit_val_batches", None)  # these tests validate
+    return opt_trainer(plugin, max_steps, callbacks, **kwargs)
 
 
 def ep_loader(dataset: TensorDataset, batch_size: int = 8) -> DataLoader:
