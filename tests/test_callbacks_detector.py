@@ -316,3 +316,34 @@ def test_with_mpplugin_bf16_the_detector_only_reads(check_passes):
     assert len(calls) == 4  # the plugin's own check, once a step
     assert_state_equal(recorder.before[2], recorder.after[2])
     assert plugin.stats.skipped_steps == 1
+
+
+def test_true_half_gradients_are_named_after_the_model_parameters():
+    """With master weights the detector still names the parameter (it used to say '?')."""
+    import math
+
+    from conftest import TinyRegressor, make_trainer
+
+    from lightning_mp import MPPlugin, NonFiniteDetector
+
+    detector = NonFiniteDetector(action="warn")
+    model = TinyRegressor(poison_grad=(1,), poison_value=math.nan)
+    with pytest.warns(UserWarning, match="gradient of parameter net1.weight"):
+        make_trainer(MPPlugin("bf16-true"), max_steps=3, callbacks=[detector]).fit(model)
+    assert detector.reports[0].nonfinite_params == ["net1.weight"]
+
+
+def test_a_nan_weight_is_named_as_the_cause_not_finite_inputs():
+    import math
+
+    from conftest import TinyRegressor, make_trainer
+
+    from lightning_mp import MPPlugin, NonFiniteDetector
+
+    model = TinyRegressor()
+    with torch.no_grad():
+        model.net1.weight[0, 0] = math.nan
+    detector = NonFiniteDetector(action="warn")
+    with pytest.warns(UserWarning, match=r"own weights are non-finite \(net1.weight\)"):
+        make_trainer(MPPlugin("bf16"), max_steps=2, callbacks=[detector]).fit(model)
+    assert "from finite inputs" not in detector.reports[0].message

@@ -321,3 +321,13 @@ class _RankDump(Callback):
         monitor = next(c for c in trainer.callbacks if isinstance(c, PrecisionMonitor))
         path = os.path.join(self.folder, f"rank{trainer.global_rank}.pt")
         torch.save({"last": monitor.last, "local_act_max": self.local}, path)
+
+
+@pytest.mark.parametrize("kind", ["fp32", "kahan"])
+def test_layer_gradient_figures_in_true_half_with_master_weights(tmp_path, kind):
+    """Master weights are invisible: the model's parameters carry the gradients the monitor reads per layer."""
+    monitor = PrecisionMonitor(log_every_n_steps=1, layer_stats=True, layers=r"^net\d$")
+    fit(tmp_path, MPPlugin("bf16-true", master_weights=kind), [monitor], max_steps=2)
+    grads = {k: v for k, v in monitor.last.items() if k.startswith("precision/grad_") and k.endswith(("net1", "net2"))}
+    assert grads and all(math.isfinite(v) for v in grads.values()), monitor.last
+    assert monitor.last["precision/grad_underflow/net1"] < 1.0  # real gradients, not missing ones

@@ -189,6 +189,7 @@ class NonFiniteDetector(Callback):
         self._types: list[str] = []
         self._handles: list[Any] = []
         self._param_names: dict[int, str] = {}
+        self._root: Optional[Any] = None  # a weak reference to the LightningModule
         self._record: Optional[_BatchRecord] = None
         self._pending: list[_BatchRecord] = []
         self._produced: dict[int, tuple[Any, int]] = {}
@@ -217,6 +218,7 @@ class NonFiniteDetector(Callback):
             self._types.append(type(module).__name__)
             self._handles.append(module.register_forward_hook(self._forward_hook(index), with_kwargs=False))
         self._param_names = {id(p): n for n, p in pl_module.named_parameters()}
+        self._root = weakref.ref(pl_module)
         if self.dump_dir is not None and trainer.is_global_zero:
             os.makedirs(self.dump_dir, exist_ok=True)
 
@@ -375,6 +377,19 @@ class NonFiniteDetector(Callback):
             self._pending.append(rec)
         return rec
 
+    def _nonfinite_weights(self, name: str) -> list[str]:
+        """The module's own parameters and buffers that hold inf/NaN (read only while reporting a finding)."""
+        root = self._root() if self._root is not None else None
+        if root is None:
+            return []
+        try:
+            module = root.get_submodule(name)
+        except AttributeError:
+            return []
+        prefix = f"{name}." if name else ""
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        return [prefix + n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())]
+
     def _param_name(self, trainer: Trainer, param: Tensor) -> str:
         name = self._param_names.get(id(param))
         if name is None:  # MPPlugin's fp32 stand-in of a half parameter, inside the step
@@ -513,11 +528,17 @@ class NonFiniteDetector(Callback):
                     stats["modified_in_place"] = True
         if kind == "output":
             unknown = any(s["absmax"] is None for s in input_stats)
+            poisoned = self._nonfinite_weights(name)
             explanation = (
                 f"{_display(name, self._root_type)} produced it from finite inputs"
                 if not unknown
                 else f"{_display(name, self._root_type)} produced it (some inputs were not checked: track_inputs=False)"
             )
+            if poisoned:
+                explanation = (
+                    f"{_display(name, self._root_type)}'s own weights are non-finite ({', '.join(poisoned[:4])}):"
+                    " an earlier step applied a non-finite update, or they were loaded or written so"
+                )
         else:
             parent = name.rsplit(".", 1)[0] if "." in name else ""
             explanation = (
