@@ -121,7 +121,11 @@ class OptimizerSteps:
         trainer = getattr(module, "_trainer", None) if module is not None else None
         # fp32 sums of micro-batches: only where Lightning owns zero_grad (automatic optimization)
         self._carry_sums = self.masters is not None and module is not None and module.automatic_optimization
-        self._accumulating = trainer is not None and getattr(trainer, "accumulate_grad_batches", 1) > 1
+        self._trainer = trainer
+
+    def _accumulating(self) -> bool:
+        # read each time: GradientAccumulationScheduler changes it during training
+        return getattr(getattr(self, "_trainer", None), "accumulate_grad_batches", 1) > 1
 
     def _state(self, optimizer: Optimizer) -> _OptimizerState:
         state = self._optimizers.get(id(optimizer))
@@ -153,7 +157,7 @@ class OptimizerSteps:
         Under DDP's ``no_sync`` the sums are this rank's: they are reduced (in fp32) while the window's last
         backward runs, whose half gradients DDP reduces as usual.
         """
-        if self._carry_sums and self._accumulating:
+        if self._carry_sums and self._accumulating():
             self.masters.carry_grads_(module.parameters())
             if grads_synced(module):
                 self._sums.start(self.masters.pending_sums())
@@ -202,7 +206,7 @@ class OptimizerSteps:
             state.dirty = False
         else:
             state.dirty = True
-        if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating):
+        if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
         state.stage = Stage.PREPARED
 

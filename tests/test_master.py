@@ -289,6 +289,18 @@ def test_micro_batches_accumulate_in_fp32():
         assert model.grads == [expected], kind
 
 
+def test_accumulation_that_starts_later_sums_in_fp32():
+    """GradientAccumulationScheduler turns accumulation on during training: the micro-batches still sum in fp32."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    cs = [4.0, 2.0**-6, 2.0**-6, 2.0**-6]
+    model = OneWeight(cs)
+    schedule = GradientAccumulationScheduler(scheduling={0: 1, 1: 4})
+    make_trainer(MPPlugin("bf16-true"), max_steps=-1, max_epochs=2, callbacks=[schedule]).fit(model)
+    assert len(model.grads) == 5  # four single steps, then one step over the four micro-batches
+    assert model.grads[-1] == 1 + 3 * 2.0**-8  # exact: a bf16 sum would round it to 1
+
+
 # --------------------------------------------------------------------------------------------- skipping
 class Snapshots(Callback):
     def __init__(self) -> None:
