@@ -57,8 +57,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         precision: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"bf16-true"``, ``"fp16-true"``, ``"fp8"`` or
             ``"auto"``; Lightning's strings (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ...) are aliases.
         device: as ``MixedPrecision``'s: the device type the scaler starts on (the Trainer's device wins at set-up).
-        scaler: as ``MixedPrecision``'s: a ``torch.amp.GradScaler`` (fp16 modes) whose settings and state are used;
-            a :class:`~lightning_mp.DynamicLossScaler` is used as it is.
+        scaler: as ``MixedPrecision``'s (fp16 modes): the scaler used; a ``torch.amp.GradScaler`` becomes a
+            :class:`~lightning_mp.DynamicLossScaler` in place (settings and state kept).
         init_scale, growth_factor, backoff_factor, growth_interval: the dynamic loss scale (fp16), as GradScaler's.
         hysteresis, consecutive_hysteresis: overflowing steps before the scale backs off (1 = at once); refill the
             budget on every clean step (``True``) or only when the scale grows (``False``, Megatron-LM's).

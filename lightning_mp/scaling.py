@@ -569,6 +569,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 f" {type(given).__name__}."
             )
         target = ShardedDynamicLossScaler if sharded else DynamicLossScaler
+        floor, cap = float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max)  # torch has none
+        if type(given) is torch.amp.GradScaler and not sharded:
+            # used as given (``trainer.scaler is scaler``, as with Lightning's MixedPrecision): the object becomes a
+            # DynamicLossScaler in place (still a torch.amp.GradScaler), its settings and state kept, no floor or cap
+            given.__class__ = DynamicLossScaler
+            given._adopted(floor, cap)
+            return given
         if not given.is_enabled():  # a disabled GradScaler keeps no settings: ours is disabled too
             return target(given._device, enabled=False)
         scale = given._init_scale if given._scale is None else float(given.get_scale())
@@ -578,12 +585,27 @@ class DynamicLossScaler(torch.amp.GradScaler):
             growth_factor=given._growth_factor,
             backoff_factor=given._backoff_factor,
             growth_interval=given._growth_interval,
-            min_scale=min(1.0, scale),
-            max_scale=max(2.0**24, scale),
+            min_scale=floor,
+            max_scale=cap,
         )
         if given._scale is not None:
             scaler.load_state_dict(given.state_dict())
         return scaler
+
+    def _adopted(self, min_scale: float, max_scale: float) -> None:
+        """What ``__init__`` adds to a ``torch.amp.GradScaler`` made a DynamicLossScaler in place (:meth:`adopt`)."""
+        self.hysteresis, self.consecutive_hysteresis = 1, True
+        self.min_scale, self.max_scale = min_scale, max_scale
+        self.dynamic = self.scaling = True
+        self._init_counters, self._init_hysteresis_tracker = [0, 0, 0, 0], 1
+        self._hysteresis_tracker = self._counters = None
+        self.last_skipped_host, self.sync_across_ranks = None, False
+        if not self._enabled:
+            self._scale = self._growth_tracker = None
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        elif self._scale is not None:  # already scaled a loss: the device state joins it
+            self._hysteresis_tracker = torch.ones((), dtype=torch.int32, device=self._scale.device)
+            self._counters = torch.zeros(4, dtype=torch.int64, device=self._scale.device)
 
     @property
     def device_type(self) -> str:

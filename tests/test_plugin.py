@@ -372,3 +372,16 @@ def test_the_plugin_pickles_before_and_after_training(mode):
     make_trainer(plugin, max_steps=2).fit(TinyRegressor())
     again = pickle.loads(pickle.dumps(plugin))
     assert again.stats.steps == plugin.stats.steps == 2
+
+
+def test_a_given_gradscaler_is_the_one_used():
+    """MixedPrecision's contract: MPPlugin("16-mixed", device, scaler=GradScaler(...)) trains with that very scaler."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    plugin = MPPlugin("16-mixed", "cpu", scaler=scaler)
+    trainer = make_trainer(plugin, max_steps=4)
+    trainer.fit(TinyRegressor(poison_loss=(1,)))
+    assert trainer.scaler is scaler and isinstance(scaler, torch.amp.GradScaler)
+    assert scaler.get_scale() == 2.0**9 and plugin.stats.skipped_steps == 1  # one backoff, as torch's
+    assert torch.amp.GradScaler("cpu").state_dict().keys() <= scaler.state_dict().keys()
+    with pytest.raises(Exception, match="does not scale the loss"):
+        MPPlugin("bf16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
