@@ -233,10 +233,6 @@ class StepRecords:
     records: list[StepRecord] = field(default_factory=list)
     swapped: bool = False
 
-    @property
-    def standins(self) -> list[nn.Parameter]:
-        return [r.standin for r in self.records]
-
 
 class MasterWeights:
     """What keeps the precision of updates to half-precision parameters (see the module docstring).
@@ -338,10 +334,6 @@ class MasterWeights:
     def pending_sums(self) -> list[Tensor]:
         """The fp32 sums carried so far (to be reduced across ranks under DDP's ``no_sync``)."""
         return [e.acc for e in self._entries.values() if e.acc is not None]
-
-    def drop_sums(self) -> None:
-        for entry in self._entries.values():
-            entry.acc = None
 
     # ------------------------------------------------------------------ the step
     def gather(self, optimizer: Optimizer) -> StepRecords:
@@ -475,9 +467,6 @@ class MasterWeights:
         if name is None:
             name = self._names[pid] = f"param.{len(self._names)}"
         return name
-
-    def name_of(self, param: Tensor) -> Optional[str]:
-        return self._names.get(id(param))
 
     def param_of(self, tensor: Tensor) -> Optional[nn.Parameter]:
         """The model parameter an fp32 stand-in stands for (inside a step), or ``tensor`` if it is one of ours."""

@@ -247,7 +247,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def train_step_context(self) -> Generator[None, None, None]:
         steps, module = self._steps, distributed.unwrap_lightning_module(self._converted)
         if steps is not None and module is not None and module._trainer is not None:
-            steps.begin_batch(module, [getattr(o, "_optimizer", o) for o in module._trainer.optimizers])
+            steps.begin_batch(module, module._trainer.optimizers)
         with self._step_context(training=True):
             yield
         if steps is not None and module is not None and not module.automatic_optimization:
@@ -290,7 +290,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self._steps.hooks_ran(optimizer)  # what hooks wrote is what the step applies
         self._clip_gradients(model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm)
-        self._steps.hooks_ran(optimizer)  # a configure_gradient_clipping override may write too
+        self._steps.hooks_ran(optimizer, clipping=True)  # a configure_gradient_clipping override may write too
 
     @override
     def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:

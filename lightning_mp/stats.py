@@ -124,7 +124,7 @@ class StepStats:
     def set_namer(self, namer: Optional[Callable[[Tensor], Optional[str]]]) -> None:
         self._namer = namer
 
-    def record_grad_norm(self, norm: Tensor, index: int = 0) -> None:
+    def record_grad_norm(self, norm: Tensor) -> None:
         """Keep the (unscaled) gradient norm computed by clipping; stays on the device."""
         self._grad_norm = norm.detach()
 

@@ -105,7 +105,9 @@ class OptimizerSteps:
         self._batch_verdicts: list[Tensor] = []  # this batch's verdicts, for the one scale update
         self._carry_sums = False
         self._sums = FP32SumReduction()
-        self._hooks_write: Optional[bool] = None
+        self._hooks_write: Optional[tuple[bool, bool]] = None
+        self._module: Optional[LightningModule] = None
+        self._trainer: Any = None
 
     # ------------------------------------------------------------------ set-up
     def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
@@ -116,16 +118,15 @@ class OptimizerSteps:
         self.buffers.drop()
         self.buffers.forget_plan()
         self._sums.reset()
-        self._hooks_write: Optional[bool] = None  # whether a hook that may write gradients runs (found once)
+        self._hooks_write = None
         self._module = module
-        trainer = getattr(module, "_trainer", None) if module is not None else None
+        self._trainer = getattr(module, "_trainer", None) if module is not None else None
         # fp32 sums of micro-batches: only where Lightning owns zero_grad (automatic optimization)
         self._carry_sums = self.masters is not None and module is not None and module.automatic_optimization
-        self._trainer = trainer
 
     def _accumulating(self) -> bool:
         # read each time: GradientAccumulationScheduler changes it during training
-        return getattr(getattr(self, "_trainer", None), "accumulate_grad_batches", 1) > 1
+        return getattr(self._trainer, "accumulate_grad_batches", 1) > 1
 
     def _state(self, optimizer: Optimizer) -> _OptimizerState:
         state = self._optimizers.get(id(optimizer))
@@ -182,12 +183,11 @@ class OptimizerSteps:
         closure()  # (a training_step that returned None still steps with the gradients there are, as Lightning does)
         try:
             self.prepare(optimizer)
-            hooks_and_clipping()
-            self.hooks_ran(optimizer)
+            hooks_and_clipping()  # reports through hooks_ran
             return self._step(optimizer, state, model, **kwargs)
         finally:
             if state.stage is Stage.PREPARED:
-                self._abandon(state, optimizer)  # an error inside the step: the parameters get their places back
+                self._abandon(state)  # an error inside the step
 
     def prepare(self, optimizer: Optimizer) -> None:
         """READY → PREPARED: gather fp32 gradients (true-half), unscale them (fp16). Idempotent."""
@@ -210,20 +210,22 @@ class OptimizerSteps:
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
         state.stage = Stage.PREPARED
 
-    def hooks_ran(self, optimizer: Optimizer) -> None:
-        """After ``on_before_optimizer_step`` (and clipping): take what hooks wrote; look again if they could."""
+    def hooks_ran(self, optimizer: Optimizer, *, clipping: bool = False) -> None:
+        """After ``on_before_optimizer_step`` (``clipping``: after ``configure_gradient_clipping``): take what the
+        hooks wrote into the half gradients; the verdict must look again if they could have written."""
         state = self._state(optimizer)
         if state.records is not None and MasterWeights.take_rewritten(state.records):
             state.dirty = True
-        if self._hooks_may_write():
+        if self._writing_hooks()[1 if clipping else 0]:
             state.dirty = True
 
     def check_before_clamp(self, optimizer: Optimizer) -> None:
         """Clipping by value is about to clamp: an inf must be seen before it becomes a finite number."""
         self.prepare(optimizer)
         state = self._state(optimizer)
-        if state.dirty:
-            self._check(optimizer, state)
+        if state.dirty and self.scaler is not None:
+            with self._standing_in(state):
+                self._check(optimizer, state)
 
     def clipped(self, optimizer: Optimizer) -> None:
         """After clipping the fp32 gradients (true-half): the half ones that hooks and user code read follow."""
@@ -234,7 +236,7 @@ class OptimizerSteps:
     def record_norm(self, optimizer: Optimizer, norm: Tensor) -> None:
         """Clipping by norm read every gradient: a non-finite total norm is the verdict (no second pass)."""
         state = self._state(optimizer)
-        self.stats.record_grad_norm(norm, state.index)
+        self.stats.record_grad_norm(norm)
         if self.scaler is None:
             return
         if not self.scaler.record_check_from_(optimizer, norm):
@@ -242,16 +244,14 @@ class OptimizerSteps:
         state.dirty = False
 
     def _check(self, optimizer: Optimizer, state: _OptimizerState) -> None:
+        """The read-only pass over the gradients the optimizer will apply (inside :meth:`_standing_in`)."""
         scaler = self.scaler
-        if scaler is None:
-            return
-        with self._standing_in(state):
-            if scaler.stage(optimizer) is OptState.READY:
-                scaler.unscale_(optimizer)  # check-only mode: the read-only check
-            else:
-                flag = torch.zeros((), device=scaler.scale_device)
-                for found in DynamicLossScaler._check_grads_(optimizer, flag).values():
-                    scaler.add_found_inf_(optimizer, found)
+        if scaler.stage(optimizer) is OptState.READY:
+            scaler.unscale_(optimizer)  # check-only mode: the read-only check
+        else:
+            flag = torch.zeros((), device=scaler.scale_device)
+            for found in DynamicLossScaler._check_grads_(optimizer, flag).values():
+                scaler.add_found_inf_(optimizer, found)
         state.dirty = False
 
     def _standing_in(self, state: _OptimizerState) -> Any:
@@ -267,25 +267,22 @@ class OptimizerSteps:
         standin = {id(r.param): r.standin for r in state.records.records}
         return [standin.get(id(p), p) for p in params]
 
-    def _hooks_may_write(self) -> bool:
+    def _writing_hooks(self) -> tuple[bool, bool]:
+        """Whether ``on_before_optimizer_step`` hooks, and a ``configure_gradient_clipping`` override, may write
+        gradients (found once per run; callbacks that only read say so with ``reads_gradients_only``)."""
         if self._hooks_write is None:
-            self._hooks_write = self._find_writing_hooks()
+            module = self._module
+            trainer = getattr(module, "_trainer", None) if module is not None else None
+            if module is None or trainer is None:
+                self._hooks_write = (True, True)
+            else:
+                hooks = is_overridden("on_before_optimizer_step", module, LightningModule) or any(
+                    type(cb).on_before_optimizer_step is not Callback.on_before_optimizer_step
+                    and not getattr(cb, "reads_gradients_only", False)
+                    for cb in trainer.callbacks
+                )
+                self._hooks_write = (hooks, is_overridden("configure_gradient_clipping", module, LightningModule))
         return self._hooks_write
-
-    def _find_writing_hooks(self) -> bool:
-        module = getattr(self, "_module", None)
-        trainer = getattr(module, "_trainer", None) if module is not None else None
-        if module is None or trainer is None:
-            return True
-        if is_overridden("on_before_optimizer_step", module, LightningModule) or is_overridden(
-            "configure_gradient_clipping", module, LightningModule
-        ):
-            return True
-        return any(
-            type(cb).on_before_optimizer_step is not Callback.on_before_optimizer_step
-            and not getattr(cb, "reads_gradients_only", False)
-            for cb in trainer.callbacks
-        )
 
     def _step(self, optimizer: Optimizer, state: _OptimizerState, model: LightningModule, **kwargs: Any) -> Any:
         scaler = self.scaler
@@ -296,14 +293,14 @@ class OptimizerSteps:
             skipped: Optional[bool] = False
             verdict = None
         else:
-            if state.dirty:
-                self._check(optimizer, state)
-            if self.saturation is not None:
-                saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
-                if saturated is not None:
-                    scaler.add_found_inf_(optimizer, saturated)
-            scaler.begin_step()
-            with self._standing_in(state):
+            with self._standing_in(state):  # one swap for the check and the step
+                if state.dirty:
+                    self._check(optimizer, state)
+                if self.saturation is not None:
+                    saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
+                    if saturated is not None:
+                        scaler.add_found_inf_(optimizer, saturated)
+                scaler.begin_step()
                 out = scaler.step(optimizer, **kwargs)
             skipped = scaler.last_skipped_host
             verdict = scaler.found_inf(optimizer)
@@ -326,16 +323,14 @@ class OptimizerSteps:
         self._check_divergence(model, state)
         return out
 
-    def _abandon(self, state: _OptimizerState, optimizer: Optional[Optimizer] = None) -> None:
-        """Give the parameters their places back after an error, or a prepared step that never ran."""
-        records = state.records
-        if records is not None:
-            self.masters.swap_out(records)
-            self.masters.write_back(records, skipped=True)
+    def _abandon(self, state: _OptimizerState) -> None:
+        """Drop a prepared step that never ran (an error inside it, or clipped in manual optimization and not
+        stepped): the stand-ins' gradients go, the parameters keep their values, the scaler forgets it."""
+        if state.records is not None:
+            self.masters.write_back(state.records, skipped=True)  # (the stand-ins stand in only inside a `with`)
             state.records = None
-        optimizer = optimizer or state.optimizer
-        if self.scaler is not None and optimizer is not None:
-            self.scaler.forget(optimizer)
+        if self.scaler is not None:
+            self.scaler.forget(state.optimizer)
         state.stage = Stage.READY
 
     # ------------------------------------------------------------------ closure-taking optimizers

@@ -143,6 +143,10 @@ class NonFiniteDetector(Callback):
             for a debugging run.
     """
 
+    #: it reads gradients (``action="skip"`` clears them only where no loss scaler checks steps): MPPlugin's
+    #: verdict need not look again after this hook
+    reads_gradients_only = True
+
     def __init__(
         self,
         action: Literal["raise", "warn", "skip"] = "raise",

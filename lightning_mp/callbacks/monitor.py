@@ -100,6 +100,9 @@ class PrecisionMonitor(Callback):
             logging steps (needs matplotlib: ``pip install matplotlib``).
     """
 
+    #: it reads gradients and never writes them: MPPlugin's verdict need not look again after this hook
+    reads_gradients_only = True
+
     def __init__(
         self,
         log_every_n_steps: Optional[int] = None,

@@ -10,6 +10,7 @@ import copy
 from typing import Any, Optional
 
 import torch
+from conftest import make_trainer  # tests/conftest.py
 from lightning.pytorch import Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -34,23 +35,9 @@ def opt_trainer(
     plugin=None, max_steps: int = 4, callbacks=(), precision: Optional[str] = None, **kwargs: Any
 ) -> Trainer:
     """A quiet CPU Trainer: either ``plugin`` (MPPlugin) or Lightning's own ``precision=`` (a reference run)."""
-    settings: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    settings.update(kwargs)
-    if plugin is not None:
-        settings["plugins"] = [plugin]
     if precision is not None:
-        settings["precision"] = precision
-    return Trainer(callbacks=list(callbacks), **settings)
+        kwargs["precision"] = precision
+    return make_trainer(plugin, max_steps=max_steps, callbacks=callbacks, **kwargs)
 
 
 def opt_dataset(n: int = 32, features: int = 8, outputs: int = 1, seed: int = 0) -> TensorDataset:
