@@ -39,6 +39,18 @@ _F32 = torch.finfo(torch.float32)  # the scale is a float32 tensor
 _INT32 = torch.iinfo(torch.int32)  # the growth and hysteresis trackers are int32 tensors
 _INT64_MAX = torch.iinfo(torch.int64).max  # the skip counters are int64
 _COUNTERS = ("steps", "skipped_steps", "consecutive_skips", "last_skipped")
+#: up to this many gradient elements on a device, the check-only pass is torch's fused check-and-unscale kernel with
+#: a scale of 1 (one launch, and it rewrites each gradient with itself); above it, the read-only inf-norm pass,
+#: which reads the gradients without writing them (half the memory traffic: what counts on large models)
+FUSED_CHECK_MAX_NUMEL = 1 << 22
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
 
 
 def _is_number(value: Any) -> bool:
@@ -216,6 +228,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._hysteresis_tracker: Optional[torch.Tensor] = None
         self._counters: Optional[torch.Tensor] = None  # int64 [steps, skipped_steps, consecutive_skips, last_skipped]
         self._init_counters = [0, 0, 0, 0]
+        #: outcomes the host knows that the device counters do not hold yet: [steps, skipped, trailing skips,
+        #: all skipped (0/1), last skipped]; see :meth:`update_from`
+        self._host_tail: Optional[list[int]] = None
         self._init_hysteresis_tracker = hysteresis
         #: whether the last step was skipped, when known on the host without a sync (``None`` otherwise)
         self.last_skipped_host: Optional[bool] = None
@@ -293,6 +308,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
         for device, value in found.items():
             value.copy_(torch.maximum(value, bad.to(device, non_blocking=True)).reshape(value.shape))
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """``GradScaler.unscale_``; in check-only mode (no loss scale) the check alone, without torch's reciprocal of a
+        scale of 1 (the sharded scaler keeps torch's path: it reduces the verdict over the process group there)."""
+        if self.scaling or not self._enabled or self.sharded:
+            return super().unscale_(optimizer)
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        state["found_inf_per_device"] = self._check_grads_(optimizer, found_inf)
+        state["stage"] = OptState.UNSCALED
+
     def unscale_once_(self, optimizer: torch.optim.Optimizer) -> None:
         """``unscale_`` unless it already ran for this optimizer since the last ``update()``."""
         if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
@@ -307,12 +337,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     @staticmethod
     def _check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
-        """Check-only mode: find inf/NaN gradients with one read-only pass, dividing nothing.
+        """Check-only mode: find inf/NaN gradients, dividing nothing.
 
-        ``torch._foreach_norm(grads, inf)`` (the fused multi-tensor kernel that gradient clipping uses) gives
-        each gradient's largest magnitude, and propagates NaN and inf. Unlike
-        ``_amp_foreach_non_finite_check_and_unscale_`` with scale 1, it writes nothing back, which halves the
-        memory traffic of the check (measured in benchmarks/RESULTS.md).
+        Large gradients (above :data:`FUSED_CHECK_MAX_NUMEL` elements on a device): ``torch._foreach_norm(grads,
+        inf)`` (the fused multi-tensor kernel that gradient clipping uses) gives each gradient's largest magnitude,
+        and propagates NaN and inf; unlike ``_amp_foreach_non_finite_check_and_unscale_`` with scale 1 it writes
+        nothing back, which halves the memory traffic of the check (measured in benchmarks/RESULTS.md). Small
+        ones: that fused kernel with scale 1, one launch instead of five, which is what counts on a model whose
+        step is bound by the host (``x * 1`` is ``x`` for every float, so the gradients keep their values).
         """
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         for group in optimizer.param_groups:
@@ -329,10 +361,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for device, per_dtype in grouped.items():
-                worst = [torch.stack(torch._foreach_norm(grads, math.inf)).max().float() for grads in per_dtype.values()]
-                worst_all = worst[0] if len(worst) == 1 else torch.stack(worst).max()
                 flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
-                flag.add_(~torch.isfinite(worst_all))
+                if sum(g.numel() for grads in per_dtype.values() for g in grads) <= FUSED_CHECK_MAX_NUMEL:
+                    for grads in per_dtype.values():
+                        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, _one(device))
+                else:
+                    worst = [torch.stack(torch._foreach_norm(g, math.inf)).max().float() for g in per_dtype.values()]
+                    worst_all = worst[0] if len(worst) == 1 else torch.stack(worst).max()
+                    flag.add_(~torch.isfinite(worst_all))
                 found[device] = flag
         return found
 
@@ -418,12 +454,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         ]
         if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update().")
-        overflow = torch.stack(found_infs).sum() > 0
-        skipped = overflow.long()
+        overflow = (found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()) > 0
+        self._flush_host_tail()
         counters = self._counters
         assert counters is not None and self._hysteresis_tracker is not None
-        # [steps, skipped_steps, consecutive_skips, last_skipped]
-        counters.copy_(torch.stack((counters[0] + 1, counters[1] + skipped, (counters[2] + 1) * skipped, skipped)))
+        # [steps, skipped_steps, consecutive_skips, last_skipped] = [s + 1, k + x, (c + 1) * x, x] for x = skipped,
+        # as counters * [1, 1, x, 0] + [1, x, x, x]: four kernels
+        keep_mask, keep_base, add_mask, add_base = _counter_masks(counters.device)
+        skipped = overflow.long().expand(4)
+        counters.mul_(torch.where(keep_mask, skipped, keep_base)).add_(torch.where(add_mask, skipped, add_base))
         if self.scaling and self.dynamic:
             self.policy.update_(scale, growth_tracker, self._hysteresis_tracker, overflow)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -442,7 +481,36 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ reading (each read syncs)
     def _counter(self, i: int) -> int:
+        self._flush_host_tail()
         return int(self._counters[i].item()) if self._counters is not None else self._init_counters[i]
+
+    def _count_on_host(self, skipped: bool) -> None:
+        """A step whose outcome the host knows, counted without touching the device (see :meth:`update_from`)."""
+        tail = self._host_tail
+        if tail is None:
+            tail = self._host_tail = [0, 0, 0, 1, 0]
+        x = int(skipped)
+        tail[0] += 1
+        tail[1] += x
+        tail[2] = tail[2] + 1 if x else 0
+        tail[3] &= x
+        tail[4] = x
+
+    def _flush_host_tail(self) -> None:
+        """Fold the host-known outcomes into the device counters (no sync)."""
+        tail, self._host_tail = self._host_tail, None
+        if tail is None:
+            return
+        n, m, trailing, all_skipped, last = tail
+        counters = self._counters
+        if counters is None:
+            s, k, c, _ = self._init_counters
+            self._init_counters = [s + n, k + m, c + n if all_skipped else trailing, last]
+            return
+        counters.add_(torch.tensor([n, m, n if all_skipped else 0, 0], dtype=torch.int64).to(counters.device))
+        if not all_skipped:
+            counters[2].fill_(trailing)
+        counters[3].fill_(last)
 
     @property
     def steps(self) -> int:
@@ -464,6 +532,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def counters_tensor(self) -> Optional[torch.Tensor]:
         """The device tensor ``[steps, skipped_steps, consecutive_skips, last_skipped]`` (no sync)."""
+        self._flush_host_tail()
         return self._counters
 
     def get_scale(self) -> float:
@@ -522,6 +591,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self.scaling and state_dict.get("scaling", True):
             super().load_state_dict(torch_state)
         self._init_counters = counters
+        self._host_tail = None
         if self._counters is not None:
             self._counters.copy_(torch.tensor(counters, dtype=torch.int64))
         self._init_hysteresis_tracker = tracker
@@ -549,7 +619,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_init_counters"] = self._counters_now()
-        state["_counters"] = None
+        state["_counters"] = state["_host_tail"] = None
         if self._hysteresis_tracker is not None:
             state["_init_hysteresis_tracker"] = int(self._hysteresis_tracker.item())
         state["_hysteresis_tracker"] = None
@@ -598,7 +668,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.min_scale, self.max_scale = min_scale, max_scale
         self.dynamic = self.scaling = True
         self._init_counters, self._init_hysteresis_tracker = [0, 0, 0, 0], 1
-        self._hysteresis_tracker = self._counters = None
+        self._hysteresis_tracker = self._counters = self._host_tail = None
         self.last_skipped_host, self.sync_across_ranks = None, False
         if not self._enabled:
             self._scale = self._growth_tracker = None
@@ -625,15 +695,47 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """This optimizer's step is over (or abandoned); the scale moves once per batch, in :meth:`update_from`."""
         self._per_optimizer_states.pop(id(optimizer), None)
 
-    def update_from(self, verdicts: list[torch.Tensor]) -> None:
-        """One update for a training batch, from the verdicts of every optimizer that stepped in it (device flags)."""
+    def update_from(self, verdicts: list[torch.Tensor | bool]) -> None:
+        """One update for a training batch, from the verdicts of every optimizer that stepped in it: device flags, or
+        ``True``/``False`` where the host knows the outcome (a non-fused optimizer's step, which paid torch's sync).
+
+        With no loss scale to move (check-only, or a static scale) and every outcome known on the host, the step is
+        counted on the host: no kernel at all.
+        """
         if not self._enabled:
             return
         scale, _ = self._check_scale_growth_tracker("update")
-        found = torch.stack([v.to(scale.device).reshape(()).float() for v in verdicts]).amax()
+        if all(isinstance(v, bool) for v in verdicts):
+            if not (self.scaling and self.dynamic):
+                self._count_on_host(any(verdicts))
+                self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+                return
+            found = torch.full((), float(any(verdicts)), device=scale.device)
+        else:
+            flags = [
+                torch.full((), float(v), device=scale.device) if isinstance(v, bool) else v.to(scale.device).reshape(())
+                for v in verdicts
+            ]
+            found = flags[0].float() if len(flags) == 1 else torch.stack([f.float() for f in flags]).amax()
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: found}
         self.update()
+
+
+_MASKS: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+
+def _counter_masks(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Constants of the counters' update: which entries take the skip flag, and the values of the others."""
+    masks = _MASKS.get(device)
+    if masks is None:
+        masks = _MASKS[device] = (
+            torch.tensor([False, False, True, False], device=device),
+            torch.tensor([1, 1, 0, 0], dtype=torch.int64, device=device),
+            torch.tensor([False, True, True, True], device=device),
+            torch.tensor([1, 0, 0, 0], dtype=torch.int64, device=device),
+        )
+    return masks
 
 
 class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):

@@ -102,7 +102,7 @@ class OptimizerSteps:
         self.release_grads = release_grads
         self.buffers = BufferSnapshot()
         self._optimizers: dict[int, _OptimizerState] = {}
-        self._batch_verdicts: list[Tensor] = []  # this batch's verdicts, for the one scale update
+        self._batch_verdicts: list[Tensor | bool] = []  # this batch's verdicts, for the one scale update
         self._carry_sums = False
         self._sums = FP32SumReduction()
         self._hooks_write: Optional[tuple[bool, bool]] = None
@@ -311,7 +311,8 @@ class OptimizerSteps:
             self.buffers.restore(optimizer, skipped, verdict)
         state.stage = Stage.STEPPED
         if scaler is not None:
-            self._batch_verdicts.append(_as_flag(verdict, scaler))
+            # the host's answer where it has one: a batch of host-known outcomes is counted without a kernel
+            self._batch_verdicts.append(skipped if skipped is not None else _as_flag(verdict, scaler))
             scaler.forget(optimizer)
         state.stats.record(skipped, verdict)
         if self.release_grads and model.automatic_optimization:
@@ -406,7 +407,7 @@ class OptimizerSteps:
             self.masters.write_back(records, skipped=skipped)
         state.stats.record(skipped, None)
         if scaler is not None:
-            self._batch_verdicts.append(torch.tensor(float(skipped), device=scaler.scale_device))
+            self._batch_verdicts.append(skipped)
         if model.automatic_optimization:
             self._update_scale()
             self.buffers.drop()

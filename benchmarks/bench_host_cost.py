@@ -1,0 +1,179 @@
+"""Per-step host cost of MPPlugin against Lightning's own precision modes, on models too small to hide it.
+
+Two models, every mode from the same initial weights and the same batches, all in one process:
+
+- ``--model mlp`` (default on the CPU): a tiny MLP (32 -> 64 -> 64 -> 1, batch 32, Adam), on the CPU.
+- ``--model gpt`` (default on a GPU): the small, launch-bound GPT of ``bench_overhead.py`` (hidden 512, 4 layers,
+  8 x 512 tokens, fused AdamW).
+
+Pairs (Lightning's mode, then ours): ``32-true``/``fp32``, ``bf16-mixed``/``bf16``, ``16-mixed``/``fp16``,
+``bf16-true``/``bf16-true`` (ours with fp32 masters).
+
+The modes are interleaved: ``--rounds`` rounds, and in each round every mode, in a rotated order, runs one ``fit``
+of ``--warmup`` + ``--steps`` steps with a fresh Trainer (the model keeps training across rounds). Only the steps
+after the warm-up are timed, from ``on_train_batch_start`` to the next one (the cycle: the step, the hooks and
+the batch fetch), with ``torch.cuda.synchronize()`` at each end on a GPU. ``--cpu-time`` times the process's CPU time instead
+(with one torch thread, the host work alone: on a shared machine other processes do not show in it). The figure of a mode is the median over
+all its rounds' timed steps, with the interquartile range, from ``torch.utils.benchmark``'s ``Measurement``;
+``ratio`` is Lightning's median over ours (above 1: ours is faster).
+
+Run from the repository root::
+
+    PYTHONPATH=. python benchmarks/bench_host_cost.py [--model mlp|gpt] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.benchmark.utils.common import Measurement, TaskSpec
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_mp import MPPlugin  # noqa: E402
+
+PAIRS = [("32-true", "fp32"), ("bf16-mixed", "bf16"), ("16-mixed", "fp16"), ("bf16-true", "bf16-true")]
+
+
+class Timer(Callback):
+    def __init__(self, warmup: int, cuda: bool) -> None:
+        self.warmup, self.cuda, self.marks, self.cpu_marks = warmup, cuda, [], []
+
+    def _mark(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.marks.append(time.perf_counter())
+        self.cpu_marks.append(time.process_time())
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx >= self.warmup:
+            self._mark()
+
+    def on_train_end(self, trainer, pl_module):
+        self._mark()
+
+    def times(self, cpu: bool = False) -> list[float]:
+        marks = self.cpu_marks if cpu else self.marks
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+
+class Lit(LightningModule):
+    def __init__(self, model: nn.Module, batches: list, kind: str, fused: bool) -> None:
+        super().__init__()
+        self.model, self.batches, self.kind, self.fused = model, batches, kind, fused
+
+    def training_step(self, batch, batch_idx):
+        if self.kind == "mlp":
+            x, y = batch
+            return nn.functional.mse_loss(self.model(x).float(), y)
+        return self.model(batch)
+
+    def configure_optimizers(self):
+        if self.kind == "mlp":
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+        return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=self.fused)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.batches, batch_size=None)
+
+
+def build(kind: str, device: torch.device) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    import bench_overhead as bo
+
+    return bo.GPT(32768, 512, 4, 8, 512)
+
+
+def make_batches(kind: str, n: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    if kind == "mlp":
+        return [(torch.randn(32, 32, generator=g), torch.randn(32, 1, generator=g)) for _ in range(n)]
+    return [torch.randint(0, 32768, (8, 513), generator=g) for _ in range(n)]
+
+
+def run_round(mode: str, model: nn.Module, batches: list, args, accelerator: str) -> list[float]:
+    lit_precision = mode[len("lightning-"):] if mode.startswith("lightning-") else None
+    kwargs: dict[str, Any] = {"precision": lit_precision} if lit_precision else {"plugins": [MPPlugin(mode[3:])]}
+    timer = Timer(args.warmup, accelerator == "gpu")
+    trainer = Trainer(accelerator=accelerator, devices=1, max_steps=args.warmup + args.steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[timer], **kwargs)
+    trainer.fit(Lit(model, batches, args.model, accelerator == "gpu"))
+    return timer.times(cpu=args.cpu_time)
+
+
+def measurement(name: str, times: list[float]) -> Measurement:
+    return Measurement(1, times, TaskSpec(stmt=name, setup="", label="host cost", sub_label=name))
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=["mlp", "gpt"], default=None,
+                   help="mlp (CPU) or gpt (GPU); default: gpt on a GPU, mlp otherwise")
+    p.add_argument("--rounds", type=int, default=6, help="interleaved rounds (default 6)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per round (default 10)")
+    p.add_argument("--steps", type=int, default=60, help="timed steps per round (default 60)")
+    p.add_argument("--pairs", default=",".join(m for _, m in PAIRS),
+                   help="our modes to run, each beside Lightning's (default: all four)")
+    p.add_argument("--cpu-time", action="store_true",
+                   help="time the process's CPU time instead of wall time (with one thread: the host work alone, "
+                        "unaffected by other processes on a shared machine)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
+    p.add_argument("--json", default=None, help="also write the raw figures to this JSON file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    cuda = torch.cuda.is_available()
+    args.model = args.model or ("gpt" if cuda else "mlp")
+    accelerator = "gpu" if cuda and args.model == "gpt" else "cpu"
+    device = torch.device("cuda" if accelerator == "gpu" else "cpu")
+    wanted = set(args.pairs.split(","))
+    modes = []
+    for lit, ours in PAIRS:
+        if ours in wanted:
+            modes += [f"lightning-{lit}", f"mp-{ours}"]
+    models = {m: build(args.model, device) for m in modes}
+    batches = make_batches(args.model, args.warmup + args.steps)
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for r in range(args.rounds):
+        order = modes[r % len(modes):] + modes[:r % len(modes)]
+        for mode in order:
+            times[mode] += run_round(mode, models[mode], batches, args, accelerator)
+    device_name = torch.cuda.get_device_name() if accelerator == "gpu" else platform.processor() or "CPU"
+    print(f"\n{args.model} on {device_name}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, "
+          f"{'process CPU' if args.cpu_time else 'wall'} time, {args.threads} thread(s)")
+    print("| mode | Lightning ms (IQR) | MPPlugin ms (IQR) | ratio (Lightning / ours) |")
+    print("|---|---|---|---|")
+    rows = []
+    for lit, ours in PAIRS:
+        if ours not in wanted:
+            continue
+        a, b = measurement(lit, times[f"lightning-{lit}"]), measurement(ours, times[f"mp-{ours}"])
+        ratio = a.median / b.median
+        rows.append({"lightning": lit, "ours": ours, "lightning_ms": a.median * 1e3, "lightning_iqr_ms": a.iqr * 1e3,
+                     "ours_ms": b.median * 1e3, "ours_iqr_ms": b.iqr * 1e3, "ratio": ratio})
+        print(f"| {lit} / {ours} | {a.median * 1e3:.3f} ({a.iqr * 1e3:.3f}) | {b.median * 1e3:.3f} "
+              f"({b.iqr * 1e3:.3f}) | {ratio:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device_name, "torch": torch.__version__, "model": args.model, "rows": rows,
+                       "times_s": times}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
