@@ -388,12 +388,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         found = [f.to(scale.device, non_blocking=True) for f in optimizer_state["found_inf_per_device"].values()]
         # one 0/1 flag (fused kernels skip on exactly 1; torch sums the devices' flags)
         many = len(found) > 1
-        optimizer.found_inf = torch.stack([f.reshape(()) for f in found]).amax() if many else found[0].clone()
-        # gradients unscale_ already divided need no scale; else the scale, times any the user set
+        optimizer.found_inf = torch.stack([f.reshape(()) for f in found]).amax() if many else found[0].reshape(())
+        # gradients unscale_ already divided, or never scaled (check-only), need no scale; else the scale, times any
+        # the user set
+        user = getattr(optimizer, "grad_scale", None)
         optimizer.grad_scale = (
-            getattr(optimizer, "grad_scale", None)
-            if optimizer_state["stage"] is OptState.UNSCALED
-            else scale * getattr(optimizer, "grad_scale", 1)
+            user
+            if optimizer_state["stage"] is OptState.UNSCALED or not self.scaling
+            else scale * (1 if user is None else user)
         )
         try:
             return optimizer.step(*args, **kwargs)

@@ -316,7 +316,7 @@ class OptimizerSteps:
             scaler.forget(optimizer)
         state.stats.record(skipped, verdict)
         if self.release_grads and model.automatic_optimization:
-            optimizer.zero_grad(set_to_none=True)
+            _release_grads(optimizer)
         if model.automatic_optimization:
             self._update_scale()  # one optimizer per batch: the batch is over
             self.buffers.drop()
@@ -453,6 +453,17 @@ class OptimizerSteps:
             + (f", loss scale {scale:g}" if scale is not None else "")
             + f". Training stopped: {advice}. NonFiniteDetector names the module that produced it."
         )
+
+
+def _release_grads(optimizer: Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)`` without its profiler record and per-group bookkeeping (a host cost
+    that counts on small models); an optimizer with its own ``zero_grad`` gets that."""
+    if type(optimizer).zero_grad is not Optimizer.zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
 
 
 def _as_flag(verdict: Optional[Tensor], scaler: DynamicLossScaler) -> Tensor:

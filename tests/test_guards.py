@@ -333,8 +333,15 @@ def test_default_loss_guard_takes_torch_losses_not_any_class_named_loss():
 
 
 # --------------------------------------------------------------------------------------------- saved activations
-def _guarded_ln(width: int) -> nn.Module:
-    model = nn.Sequential(nn.LayerNorm(width))
+class _HookPathLayerNorm(nn.LayerNorm):
+    """A LayerNorm with its own forward: its guard runs it in the hooks' fp32 region (the general eager path)."""
+
+    def forward(self, x):
+        return super().forward(x)
+
+
+def _guarded_ln(width: int, cls: type = _HookPathLayerNorm) -> nn.Module:
+    model = nn.Sequential(cls(width))
     apply_fp32_guards(model, None)
     return model
 
@@ -408,6 +415,14 @@ def test_guarded_norm_keeps_half_the_activation_memory_for_backward():
         kept[name] = _rss_bytes() - before  # the output (bf16) plus what backward needs
         del out
     assert kept["plain"] - kept["packed"] > 0.75 * 4 * n  # about the fp32 copy (128 MB) kept only without it
+    # a plain nn.LayerNorm (one autograd node on the CPU and for small inputs) keeps the bf16 input either way
+    lean = _guarded_ln(1024, nn.LayerNorm)
+    gc.collect()
+    before = _rss_bytes()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = lean(x)
+    assert _rss_bytes() - before < kept["plain"] - 0.75 * 4 * n
+    del out
 
 
 def test_fp32_layer_norm_helper_saves_the_original_too():
@@ -445,6 +460,7 @@ def fused_stand_in(monkeypatch):
     monkeypatch.setattr(guards, "fused_layer_norm_available", lambda x: guards._FUSED_LAYER_NORM["failed"] is None)
     monkeypatch.setitem(guards._FUSED_LAYER_NORM, "fn", eager)
     monkeypatch.setitem(guards._FUSED_LAYER_NORM, "failed", None)
+    monkeypatch.setattr(guards, "COMPILED_LAYER_NORM_MIN_NUMEL", 0)
     return calls
 
 
@@ -495,6 +511,43 @@ def test_a_failing_compiled_kernel_falls_back_to_the_eager_upcast(fused_stand_in
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(model(x), reference(x))  # the eager path from now on, without a second warning
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_small_guarded_layer_norms_run_one_autograd_node_with_the_upcast_paths_values(dtype, affine):
+    """Below the compiled kernel's size (and on the CPU) a guarded nn.LayerNorm on a 16-bit input runs
+    layer_norm(x.float(), fp32 weights).to(x.dtype) as one autograd node, without the hooks' fp32 region: the same
+    output and gradients, bit for bit, as the eager upcast path, with or without a grad on the input."""
+    from lightning_mp import guards
+
+    fast = nn.Sequential(nn.LayerNorm(64, elementwise_affine=affine))
+    eager = nn.Sequential(OwnForwardLayerNorm(64, elementwise_affine=affine))
+    for m in (fast, eager):
+        apply_fp32_guards(m)
+    if affine:
+        with torch.no_grad():
+            fast[0].weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+            fast[0].bias.uniform_(-0.5, 0.5, generator=torch.Generator().manual_seed(2))
+        eager.load_state_dict(fast.state_dict())
+    seen = []
+    fast[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
+    x = (torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 4 + 1).to(dtype)
+    out = fast(x.clone().requires_grad_(True))
+    assert seen == [dtype] and out.dtype is dtype and out.grad_fn.name().endswith("_UpcastLayerNormBackward")
+    assert torch.equal(out, eager(x))
+    for a, b in zip(_grads(fast, x), _grads(eager, x)):
+        assert torch.equal(a, b)
+    if affine:  # an input without a grad (the first layer's): the weights' gradients alone
+        dy = torch.randn(16, 64).to(dtype)
+        fast.zero_grad()
+        fast(x).backward(dy)
+        eager.zero_grad()
+        eager(x).backward(dy)
+        assert torch.equal(fast[0].weight.grad, eager[0].weight.grad) and fast[0].weight.grad.dtype is torch.float32
+    with torch.inference_mode():
+        assert torch.equal(fast(x), eager(x))
+    assert guards.COMPILED_LAYER_NORM_MIN_NUMEL > x.numel()
 
 
 def test_only_plain_layer_norms_get_the_compiled_forward():
