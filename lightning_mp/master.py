@@ -344,6 +344,8 @@ class MasterWeights:
         and derived again where the parameter was written from outside.
         """
         out = StepRecords(optimizer)
+        dst: list[Tensor] = []  # fp32 gradients to fill from half ones, in one multi-tensor copy
+        src: list[Tensor] = []
         with torch.no_grad():
             for group in optimizer.param_groups:
                 params = group["params"]
@@ -358,13 +360,20 @@ class MasterWeights:
                     if grad is None:
                         g32 = entry.acc
                     elif entry.acc is None:
-                        g32 = grad.to(torch.float32)
+                        if grad.is_sparse or grad.layout is not torch.strided:
+                            g32 = grad.to(torch.float32)
+                        else:
+                            g32 = torch.empty_like(grad, dtype=torch.float32)
+                            dst.append(g32)
+                            src.append(grad)
                     else:
                         g32 = entry.acc.add_(grad)
                     entry.acc = None
                     standin.grad = g32
                     out.records.append(StepRecord(params, i, param, standin, _grad_stamp(param)))
                     self._standins[id(standin)] = param
+            if dst:
+                torch._foreach_copy_(dst, src)
         return out
 
     def _standin(self, entry: _Entry) -> nn.Parameter:

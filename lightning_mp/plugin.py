@@ -164,8 +164,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self.stats.set_scaler(self.scaler)
         device = distributed.root_device(distributed.unwrap_lightning_module(module), module)
         spec = self.fp32_guards
-        if self.mode is not None and self.mode.autocast_dtype is not None and not self.mode.true_half and device.type == "cuda":
-            spec = spec.without_autocast_fp32()  # CUDA autocast (and TE's fused norms, in fp8) compute these in fp32
+        if self.mode is not None and not self.mode.true_half and device.type == "cuda":
+            # fp32 weights: CUDA autocast (any mode a schedule may switch to) and TE's fused norms compute these in
+            # fp32 already, and in fp32/tf32 they are fp32 anyway; a hook would only add host time
+            spec = spec.without_autocast_fp32()
         guarded = apply_fp32_guards(module, spec)
         self._guarded_classes = tuple({type(module.get_submodule(name)) for name in guarded})
         if self._run.sharded and guarded and distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None:

@@ -347,22 +347,27 @@ class DynamicLossScaler(torch.amp.GradScaler):
         step is bound by the host (``x * 1`` is ``x`` for every float, so the gradients keep their values).
         """
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        numel: dict[torch.device, int] = defaultdict(int)
+        plain = torch.Tensor
         for group in optimizer.param_groups:
             for param in group["params"]:
                 grad = param.grad
                 if grad is None:
                     continue
-                grad = grad._values() if grad.is_sparse else grad
-                if _is_dtensor(grad):
-                    grad = grad.to_local()  # a rank checks its own shard; the verdict is then all-reduced
-                if grad.numel() == 0:
+                if type(grad) is not plain or grad.is_sparse:  # (a plain dense gradient, the common case, skips these)
+                    grad = grad._values() if grad.is_sparse else grad
+                    if _is_dtensor(grad):
+                        grad = grad.to_local()  # a rank checks its own shard; the verdict is then all-reduced
+                n = grad.numel()
+                if n == 0:
                     continue  # an empty shard holds nothing to check (and the inf-norm of nothing is undefined)
                 grouped[grad.device][grad.dtype].append(grad)
+                numel[grad.device] += n
         found: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for device, per_dtype in grouped.items():
                 flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
-                if sum(g.numel() for grads in per_dtype.values() for g in grads) <= FUSED_CHECK_MAX_NUMEL:
+                if numel[device] <= FUSED_CHECK_MAX_NUMEL:
                     for grads in per_dtype.values():
                         torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, _one(device))
                 else:

@@ -214,9 +214,13 @@ class OptimizerSteps:
         """After ``on_before_optimizer_step`` (``clipping``: after ``configure_gradient_clipping``): take what the
         hooks wrote into the half gradients; the verdict must look again if they could have written."""
         state = self._state(optimizer)
-        if state.records is not None and MasterWeights.take_rewritten(state.records):
+        writes = self._writing_hooks()[1 if clipping else 0]
+        module = self._module
+        # (manual optimization: user code between an early clip_gradients and opt.step() may write them too)
+        may_write = writes or module is None or not module.automatic_optimization
+        if state.records is not None and may_write and MasterWeights.take_rewritten(state.records):
             state.dirty = True
-        if self._writing_hooks()[1 if clipping else 0]:
+        if writes:
             state.dirty = True
 
     def check_before_clamp(self, optimizer: Optimizer) -> None:
