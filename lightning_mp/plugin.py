@@ -205,6 +205,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._run.teardown()  # TF32 flags and TE's own amax reduction back
         if self._steps is not None:
             self._steps.end_batch()
+            self._steps.close()
         self._hold.remove()
         super().teardown()
 

@@ -50,6 +50,7 @@ from torch.optim import LBFGS, Optimizer
 from lightning_mp.buffers import BufferSnapshot
 from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.master import MasterWeights, StepRecords
+from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
@@ -108,6 +109,7 @@ class OptimizerSteps:
         self._hooks_write: Optional[tuple[bool, bool]] = None
         self._module: Optional[LightningModule] = None
         self._trainer: Any = None
+        self._overlap = OverlappedCheck()
 
     # ------------------------------------------------------------------ set-up
     def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
@@ -123,6 +125,14 @@ class OptimizerSteps:
         self._trainer = getattr(module, "_trainer", None) if module is not None else None
         # fp32 sums of micro-batches: only where Lightning owns zero_grad (automatic optimization)
         self._carry_sums = self.masters is not None and module is not None and module.automatic_optimization
+        self._overlap.remove()
+        scaler = self.scaler
+        if scaler is not None and not scaler.scaling and not scaler.sharded and self.masters is None:
+            self._overlap.install(optimizers)  # a large model's check runs beside its backward
+
+    def close(self) -> None:
+        """The run is over: the gradient hooks go."""
+        self._overlap.remove()
 
     def _accumulating(self) -> bool:
         # read each time: GradientAccumulationScheduler changes it during training
@@ -158,6 +168,7 @@ class OptimizerSteps:
         Under DDP's ``no_sync`` the sums are this rank's: they are reduced (in fp32) while the window's last
         backward runs, whose half gradients DDP reduces as usual.
         """
+        self._overlap.arm()
         if self._carry_sums and self._accumulating():
             self.masters.carry_grads_(module.parameters())
             if grads_synced(module):
@@ -205,7 +216,9 @@ class OptimizerSteps:
                 scaler.unscale_(optimizer)
             state.dirty = False
         else:
-            state.dirty = True
+            # the maxima taken during backward, where every gradient has one (large models, check-only modes)
+            early = self._overlap.verdict(optimizer) if scaler is not None and self._overlap.installed else None
+            state.dirty = early is None or not scaler.record_check_from_(optimizer, early)
         if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
         state.stage = Stage.PREPARED

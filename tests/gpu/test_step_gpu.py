@@ -205,3 +205,67 @@ def test_guards_add_no_graph_breaks_on_cuda(mode):
     with plugin.forward_context():
         explained = torch._dynamo.explain(block)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("mode", ["fp32", "tf32", "bf16", "fp16", "bf16-true"])
+def test_on_cuda_only_what_autocast_leaves_in_half_is_guarded(mode):
+    """CUDA autocast computes norms, softmax and losses in fp32 itself: with fp32 weights (fp32, tf32, bf16, fp16, and
+    any mode a PrecisionSchedule switches to) their guards would add host time per call and nothing else, so none is
+    installed; an entry the user names (a router) is guarded in every mode; true-half modes guard the norms."""
+    from lightning_mp.guards import fp32_guard_of
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block, self.router, self.loss = Block(), nn.Linear(64, 4), nn.CrossEntropyLoss()
+
+    model = Model().cuda()
+    MPPlugin(mode, fp32_modules=["defaults", "router"]).convert_module(model)
+    guarded = {name for name, m in model.named_modules() if fp32_guard_of(m) is not None}
+    if mode == "bf16-true":
+        assert {"block.ln1", "block.ln2", "router", "loss"} <= guarded
+    else:
+        assert guarded == {"router"}
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16"])
+def test_the_check_taken_on_a_side_stream_during_backward_gives_the_same_steps_and_skips(mode, monkeypatch):
+    """Large models take each gradient's maximum on a side CUDA stream while backward runs (lowered size limit
+    here): clean steps train exactly as with the check after backward, an inf gradient is skipped."""
+    from lightning_mp import overlap
+
+    class Net(LightningModule):
+        def __init__(self, poison=None):
+            super().__init__()
+            torch.manual_seed(0)
+            self.net, self.poison = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 1)), poison
+
+        def training_step(self, batch, batch_idx):
+            out = self.net(batch[0])
+            if batch_idx == self.poison:
+                out = out * math.inf
+            return nn.functional.mse_loss(out.float(), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(1)
+            return DataLoader(TensorDataset(torch.randn(64, 64, generator=g), torch.randn(64, 1, generator=g)), batch_size=8)
+
+    def run(min_numel, poison=None):
+        monkeypatch.setattr(overlap, "MIN_NUMEL", min_numel)
+        model, plugin = Net(poison), MPPlugin(mode)
+        Trainer(accelerator="gpu", devices=1, max_steps=6, plugins=[plugin], logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False).fit(model)
+        return [p.detach().cpu() for p in model.parameters()], plugin.stats.skipped_steps
+
+    taken = []
+    original = overlap.OverlappedCheck.verdict
+    monkeypatch.setattr(overlap.OverlappedCheck, "verdict", lambda self, opt: taken.append(1) or original(self, opt))
+    overlapped, _ = run(0)
+    assert len(taken) == 6
+    after, _ = run(1 << 40)
+    assert all(torch.equal(a, b) for a, b in zip(overlapped, after))
+    _, skipped = run(0, poison=3)
+    assert skipped == 1
