@@ -12,6 +12,8 @@ lightning-16-mixed       ``Trainer(precision="16-mixed")`` (no clipping, so fuse
 mp-fp16                  ``Trainer(plugins=[MPPlugin("fp16")])``
 mp-bf16-keep-grads       ``MPPlugin("bf16", release_grads_after_step=False)``: where the memory saving comes from
 mp-bf16-noskip           ``MPPlugin("bf16", skip_nonfinite=False)``: what the inf/NaN check costs
+mp-bf16-checkafter       ``MPPlugin("bf16")`` with the check after backward (``lightning_mp.overlap`` off): what
+                         taking it during backward saves
 ...+sched                the same with a constant step-interval LambdaLR (holding it reads the skip flag)
 ...+clip                 the same with gradient clipping by norm at 1.0 (``gradient_clip_val`` / ``clip_grad_norm_``);
                          Lightning's bf16-mixed refuses clipping with a fused optimizer, so plain-bf16+clip is
@@ -86,6 +88,7 @@ ALL_MODES = (
     "lightning-16-mixed",
     "mp-fp16",
     "mp-bf16-noskip",
+    "mp-bf16-checkafter",
     "lightning-bf16-mixed+sched",
     "mp-bf16+sched",
     "plain-bf16+clip",
@@ -113,6 +116,7 @@ NATIVE = {
     "lightning-bf16-mixed+sched": "lightning-bf16-mixed+sched",
     "mp-bf16+sched": "lightning-bf16-mixed+sched",
     "mp-bf16-noskip": "lightning-bf16-mixed",
+    "mp-bf16-checkafter": "lightning-bf16-mixed",
     # Lightning's bf16-mixed refuses clipping with a fused optimizer: the plain loop is the reference
     "plain-bf16+clip": "plain-bf16+clip",
     "mp-bf16+clip": "plain-bf16+clip",
@@ -379,6 +383,11 @@ def run_lightning(
             plugin = MPPlugin("bf16", release_grads_after_step=False)
         elif mode == "mp-bf16-noskip":
             plugin = MPPlugin("bf16", skip_nonfinite=False)
+        elif mode == "mp-bf16-checkafter":
+            from lightning_mp import overlap
+
+            overlap.MIN_NUMEL, saved_min_numel = 1 << 62, overlap.MIN_NUMEL  # put back after the fit
+            plugin = MPPlugin("bf16")
         else:
             plugin = MPPlugin({"mp-bf16": "bf16", "mp-fp16": "fp16"}[mode])
         kwargs["plugins"] = [plugin]
@@ -404,6 +413,10 @@ def run_lightning(
         trainer.fit(module)
     finally:
         probe.close_sync_window()
+        if mode == "mp-bf16-checkafter":
+            from lightning_mp import overlap
+
+            overlap.MIN_NUMEL = saved_min_numel
     torch.cuda.synchronize()
     # what training keeps between steps: weights, master weights / compensation, optimizer state
     resident = torch.cuda.memory_allocated()
