@@ -61,6 +61,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mp._host import HostCopy
+from lightning_mp.scaling import check_tensors_
 
 MASTER_WEIGHT_KINDS: tuple[str, ...] = ("fp32", "kahan", "stochastic", "none", "optimizer")
 _HALF = (torch.float16, torch.bfloat16)
@@ -232,6 +233,8 @@ class StepRecords:
     optimizer: Optimizer
     records: list[StepRecord] = field(default_factory=list)
     swapped: bool = False
+    #: with ``gather(check=True)``: 1.0 if a gradient the step would apply holds an inf/NaN (``None``: not checked)
+    found: Optional[Tensor] = None
 
 
 class MasterWeights:
@@ -336,21 +339,32 @@ class MasterWeights:
         return [e.acc for e in self._entries.values() if e.acc is not None]
 
     # ------------------------------------------------------------------ the step
-    def gather(self, optimizer: Optimizer) -> StepRecords:
+    def gather(self, optimizer: Optimizer, *, check: bool = False) -> StepRecords:
         """fp32 stand-ins, with fp32 gradients, for ``optimizer``'s half parameters that have a gradient.
 
         The half gradients stay where they are (hooks read them); the fp32 gradient is the half one plus any
         sum carried from earlier micro-batches. Masters are made for parameters that joined since the last step
-        and derived again where the parameter was written from outside.
+        and derived again where the parameter was written from outside. ``check``: also find inf/NaN in every
+        gradient the step would apply (the fp32 ones and those of fp32 parameters) into ``found``, in the same
+        pass (not for sparse gradients, DTensors or several devices: ``found`` stays ``None``).
         """
         out = StepRecords(optimizer)
         dst: list[Tensor] = []  # fp32 gradients to fill from half ones, in one multi-tensor copy
         src: list[Tensor] = []
+        checked: dict[torch.dtype, list[Tensor]] = {}  # what the step applies, for check=True
+        numel = 0
         with torch.no_grad():
             for group in optimizer.param_groups:
                 params = group["params"]
                 for i, param in enumerate(params):
                     if not (isinstance(param, Tensor) and param.dtype in _HALF):
+                        grad = getattr(param, "grad", None)
+                        if check and grad is not None:
+                            if type(grad) is not Tensor or grad.is_sparse:
+                                check = False
+                            else:
+                                checked.setdefault(grad.dtype, []).append(grad)
+                                numel += grad.numel()
                         continue
                     entry = self._entry(param)
                     grad = param.grad
@@ -372,8 +386,19 @@ class MasterWeights:
                     standin.grad = g32
                     out.records.append(StepRecord(params, i, param, standin, _grad_stamp(param)))
                     self._standins[id(standin)] = param
+                    if check:
+                        if type(g32) is not Tensor or g32.is_sparse:
+                            check = False
+                        else:
+                            checked.setdefault(torch.float32, []).append(g32)
+                            numel += g32.numel()
             if dst:
                 torch._foreach_copy_(dst, src)
+        if check and checked:
+            devices = {t.device for tensors in checked.values() for t in tensors}
+            if len(devices) == 1:
+                out.found = torch.zeros((), dtype=torch.float32, device=devices.pop())
+                check_tensors_(checked, numel, out.found)
         return out
 
     def _standin(self, entry: _Entry) -> nn.Parameter:

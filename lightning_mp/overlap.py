@@ -95,10 +95,12 @@ class OverlappedCheck:
                     continue
                 seen = self._maxima.get(id(param))
                 if seen is None or seen[0] is not grad or seen[1] != grad._version:
+                    self._maxima = {}
                     return None
                 maxima.append(seen[2])
         if not maxima:
             return None
+        self._maxima = {}  # (the gradients themselves are not kept past the step: the step may release them)
         if self._stream is not None:
             torch.cuda.current_stream(maxima[0].device).wait_stream(self._stream)
         return torch.stack(maxima).amax()

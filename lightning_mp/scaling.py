@@ -364,18 +364,24 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 grouped[grad.device][grad.dtype].append(grad)
                 numel[grad.device] += n
         found: dict[torch.device, torch.Tensor] = {}
-        with torch.no_grad():
-            for device, per_dtype in grouped.items():
-                flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
-                if numel[device] <= FUSED_CHECK_MAX_NUMEL:
-                    for grads in per_dtype.values():
-                        torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, _one(device))
-                else:
-                    worst = [torch.stack(torch._foreach_norm(g, math.inf)).max().float() for g in per_dtype.values()]
-                    worst_all = worst[0] if len(worst) == 1 else torch.stack(worst).max()
-                    flag.add_(~torch.isfinite(worst_all))
-                found[device] = flag
+        for device, per_dtype in grouped.items():
+            flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
+            check_tensors_(per_dtype, numel[device], flag)
+            found[device] = flag
         return found
+
+    def record_verdict_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> bool:
+        """Check-only mode: take this step's verdict (a 0/1 float flag) from a check made elsewhere over every gradient
+        the optimizer will apply (the master weights' gather). Returns whether it was taken."""
+        if not self._enabled or self.scaling:
+            return False
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            return False
+        self._check_scale_growth_tracker("record_verdict_")
+        state["found_inf_per_device"] = {found.device: found}
+        state["stage"] = OptState.UNSCALED
+        return True
 
     def _check_for_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a fused optimizer's step: find inf/NaN without unscaling (its kernel unscales), as torch does."""
@@ -727,6 +733,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: found}
         self.update()
+
+
+def check_tensors_(per_dtype: dict[torch.dtype, list[torch.Tensor]], numel: int, flag: torch.Tensor) -> None:
+    """Set ``flag`` (a 0-dim float tensor on the tensors' device) to 1 if any tensor holds an inf or NaN.
+
+    Up to :data:`FUSED_CHECK_MAX_NUMEL` elements in all: torch's fused check-and-unscale kernel with a scale of 1
+    (one launch; it rewrites each tensor with itself, bumping its version counter); above: the read-only inf-norm.
+    """
+    with torch.no_grad():
+        if numel <= FUSED_CHECK_MAX_NUMEL:
+            for tensors in per_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _one(flag.device))
+            return
+        worst = [torch.stack(torch._foreach_norm(t, math.inf)).max().float() for t in per_dtype.values()]
+        flag.add_(~torch.isfinite(worst[0] if len(worst) == 1 else torch.stack(worst).max()))
 
 
 _MASKS: dict[torch.device, tuple[torch.Tensor, ...]] = {}

@@ -208,16 +208,20 @@ class OptimizerSteps:
         # (STEPPED: manual optimization steps this optimizer again in one training step; the loss scale still
         # moves once, when the batch ends, so both steps unscale by the scale their backward used)
         scaler = self.scaler
+        check_only = scaler is not None and not scaler.scaling
         if self.masters is not None:
-            records = self.masters.gather(optimizer)
+            # check-only modes: the gather's one pass over the gradients also finds inf/NaN
+            records = self.masters.gather(optimizer, check=check_only)
             state.records = records
         if scaler is not None and scaler.scaling:
             with self._standing_in(state):
                 scaler.unscale_(optimizer)
             state.dirty = False
+        elif state.records is not None and state.records.found is not None:
+            state.dirty = not scaler.record_verdict_(optimizer, state.records.found)
         else:
             # the maxima taken during backward, where every gradient has one (large models, check-only modes)
-            early = self._overlap.verdict(optimizer) if scaler is not None and self._overlap.installed else None
+            early = self._overlap.verdict(optimizer) if check_only and self._overlap.installed else None
             state.dirty = early is None or not scaler.record_check_from_(optimizer, early)
         if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
