@@ -1,19 +1,31 @@
 # The two commands of the README: `make compare` (the main job) and `make test` (the test suite).
-# Both create .venv and install everything on first use.
+# Both create .venv and install everything on first use. `make lint` and `make dist` are what CI adds.
 PYTHON ?= python3
 VENV ?= .venv
-# The CPU build of torch; set TORCH_SPEC to your CUDA build's pin on a GPU machine.
+# The torch that .venv gets, installed before the package (whose `torch>=2.4` it then satisfies). Which build
+# `torch==2.13.0` is depends on where pip finds it: PyPI's Linux x86_64 wheel is the CUDA build (several GB); a
+# local CPU wheel that pip is pointed at (--find-links, as on the project's CI machines) is the CPU build; on other
+# machines a CPU-only wheel needs PyTorch's CPU index: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
+# Changing either value (`make test TORCH_SPEC=torch==2.11.0`) reinstalls torch on the next make.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX_URL ?=
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.lightning_mp-installed
+# holds the torch request the venv was built with; rewritten only when TORCH_SPEC or TORCH_INDEX_URL changes
+TORCH_STAMP := $(VENV)/.torch-spec
+TORCH_REQUEST := $(TORCH_SPEC)$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
 
-.PHONY: setup compare demo test test-gpu clean
+.PHONY: setup compare demo test test-gpu lint dist clean FORCE
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+$(TORCH_STAMP): FORCE
+	@mkdir -p $(VENV)
+	@if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_REQUEST)" ]; then echo "$(TORCH_REQUEST)" > $@; fi
+
+$(STAMP): pyproject.toml $(TORCH_STAMP)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
@@ -26,11 +38,30 @@ demo: $(STAMP)
 # pytest exits 5 when it collected no tests: a run that tests nothing fails here.
 test: $(STAMP)
 	@$(PY) -m pytest -q tests; status=$$?; \
-	if [ $$status -eq 5 ]; then echo "pytest collected no tests (exit 5): failing, a run that tests nothing is no pass"; fi; \
+	if [ $$status -eq 5 ]; then \
+		echo "pytest collected no tests (exit 5): failing, a run that tests nothing is no pass"; fi; \
 	exit $$status
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu
 
+# ruff with pyproject.toml's [tool.ruff] settings (line length 120, as setup.cfg's flake8 section)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+# the wheel and the sdist in dist/; then the unpacked sdist must collect exactly the tests this tree collects
+dist: $(STAMP)
+	rm -rf dist
+	$(PY) -m build --outdir dist .
+	@set -e; tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	tar -xzf dist/*.tar.gz -C "$$tmp"; \
+	cd "$$tmp"/*/; \
+	$(abspath $(PY)) -c 'import lightning_mp, os, sys; sys.exit(not lightning_mp.__file__.startswith(os.getcwd()))'; \
+	there=$$($(abspath $(PY)) -m pytest --collect-only -q -p no:cacheprovider tests | tail -n 1 | sed 's/ in .*//'); \
+	cd $(CURDIR); \
+	here=$$($(PY) -m pytest --collect-only -q -p no:cacheprovider tests | tail -n 1 | sed 's/ in .*//'); \
+	echo "the repository: $$here; the unpacked sdist (its own lightning_mp): $$there"; \
+	if [ "$$here" != "$$there" ]; then echo "the sdist does not collect the same tests"; exit 1; fi
+
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache
+	rm -rf $(VENV) lightning_logs .pytest_cache build dist

@@ -1,6 +1,7 @@
 """lightning_mp: safe, fast mixed-precision training for PyTorch Lightning through one Trainer flag."""
 
 from lightning_mp.callbacks import NonFiniteDetector, NonFiniteReport, PrecisionMonitor, PrecisionSchedule
+from lightning_mp.callbacks.monitor import ThroughputMonitor
 from lightning_mp.fp8 import FP8Config, FP8UnavailableError
 from lightning_mp.guards import (
     DEFAULT_FP32_MODULES,
@@ -42,6 +43,7 @@ __all__ = [
     "PrecisionMonitor",
     "PrecisionSchedule",
     "StochasticRounding",
+    "ThroughputMonitor",
     "apply_fp32_guards",
     "attach_master_weights",
     "cast_module_",

@@ -1,21 +1,54 @@
-"""Command-line entry: ``python -m lightning_mp compare`` and ``python -m lightning_mp demo``."""
+"""Command-line entry: ``python -m lightning_mp COMMAND`` or the ``lightning-mp`` console script (the same commands).
 
+``compare`` and ``demo`` are the commands; ``--version`` prints the versions of lightning-mp, torch and Lightning.
+"""
+
+import os
 import sys
+
+COMMANDS = {
+    "compare": "run a model under each precision mode and tell which to use (speed, memory, loss drift, skips)",
+    "demo": "train a small byte-level transformer under MPPlugin in fp32, bf16 and fp16, side by side",
+}
+
+
+def program_name() -> str:
+    """How the user called us: ``lightning-mp`` (the console script) or ``python -m lightning_mp``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m lightning_mp" if name in ("", "-c", "__main__.py", "-m") else name
+
+
+def version_text() -> str:
+    """``lightning-mp 0.1.0 (torch 2.13.0+cpu, lightning 2.6.6, Python 3.11.7)``: what a bug report needs."""
+    import lightning
+    import torch
+
+    import lightning_mp
+
+    python = ".".join(str(v) for v in sys.version_info[:3])
+    versions = f"torch {torch.__version__}, lightning {lightning.__version__}, Python {python}"
+    return f"lightning-mp {lightning_mp.__version__} ({versions})"
+
+
+def usage() -> str:
+    lines = [f"usage: {program_name()} COMMAND [options]", f"       {program_name()} --version", "", "commands:"]
+    lines += [f"  {name:8s} {text}" for name, text in COMMANDS.items()]
+    lines += ["", f"`{program_name()} COMMAND --help` shows the options of a command."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    commands = {
-        "compare": "run a model under each precision mode and tell which to use (speed, memory, loss drift, skips)",
-        "demo": "train a small byte-level transformer under MPPlugin in fp32, bf16 and fp16, side by side",
-    }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        if argv and argv[0] not in ("-h", "--help"):
-            print(f"unknown command {argv[0]!r}; accepted: {', '.join(commands)}", file=sys.stderr)
-        print("usage: python -m lightning_mp COMMAND [options]\n\ncommands:")
-        for name, text in commands.items():
-            print(f"  {name:8s} {text}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-V", "--version"):
+        print(version_text())
+        return 0
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    if argv[0] not in COMMANDS:
+        print(f"unknown command {argv[0]!r}; accepted: {', '.join(COMMANDS)}, --version, --help\n", file=sys.stderr)
+        print(usage(), file=sys.stderr)
+        return 2
     if argv[0] == "compare":
         from lightning_mp.compare import main as compare
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 import torch
 
+
 @dataclass(frozen=True)
 class PrecisionMode:
     """What one precision mode means for weights, compute and loss scaling.
@@ -86,6 +87,7 @@ MODES: dict[str, PrecisionMode] = {
 PLANNED: dict[str, str] = {}
 
 ALIASES: dict[str, str] = {
+    # Lightning's precision strings
     "32-true": "fp32",
     "32": "fp32",
     "16-mixed": "fp16",
@@ -93,6 +95,20 @@ ALIASES: dict[str, str] = {
     "bf16-mixed": "bf16",
     "16-true": "fp16-true",
     "transformer-engine": "fp8",
+    # dtype names, as Hugging Face (``bf16=True`` / ``torch_dtype="bfloat16"``) and NeMo configs spell them; they
+    # name the autocast modes (fp32 weights): half-precision weights are ``bf16-true``/``fp16-true``
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "float32": "fp32",
+}
+
+#: NVIDIA Apex AMP opt levels: not aliases (Apex AMP is deprecated, its levels are fp16-only and bundle other
+#: settings), but a bad value that is one gets the equivalent named in the error
+APEX_OPT_LEVELS: dict[str, str] = {
+    "o0": "'fp32'",
+    "o1": "'fp16' (fp16 autocast with loss scaling; 'bf16' where the GPU supports it)",
+    "o2": "'fp16-true' (fp16 weights with fp32 master weights and fp32 norms, loss scaling)",
+    "o3": "'fp16-true' with master_weights='none'",
 }
 
 AUTO = "auto"
@@ -104,22 +120,44 @@ def accepted_names() -> list[str]:
 
 
 def parse_precision(value: object) -> str:
-    """Map a user's precision string (a mode name or a Lightning alias) to a canonical mode name.
+    """Map a user's precision (a mode name, a Lightning string, a dtype name such as ``"bfloat16"``, or a
+    floating ``torch.dtype``) to a canonical mode name.
 
     Raises:
         ValueError: naming the value and every accepted name.
     """
+    original = value
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
+    elif isinstance(value, torch.dtype):
+        value = str(value).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16"
+    hint = ""
     if isinstance(value, str):
         key = value.strip().lower()
         if key in MODES or key in PLANNED or key == AUTO:
             return key
         if key in ALIASES:
             return ALIASES[key]
+        if key in APEX_OPT_LEVELS:
+            hint = f" Apex AMP's opt level {value.strip()!r} is not accepted; its equivalent is {APEX_OPT_LEVELS[key]}."
     raise ValueError(
-        f"Unknown precision {value!r}. Accepted values: {', '.join(repr(n) for n in accepted_names())}."
+        f"Unknown precision {original!r}. Accepted values: {', '.join(repr(n) for n in accepted_names())}.{hint}"
     )
+
+
+def compute_dtype(mode: PrecisionMode) -> torch.dtype:
+    """The dtype a mode's matrix multiplications run in, as Lightning's ``ThroughputMonitor`` reads it to look up
+    the device's peak FLOPs: fp32/tf32 -> ``float32`` (TF32 is a matmul setting of fp32), bf16/bf16-true ->
+    ``bfloat16``, fp16/fp16-true -> ``float16``, fp8 -> ``int8`` (as Lightning's Transformer Engine plugin: its
+    FLOPs table lists the FP8 tensor-core rate under int8).
+
+    >>> compute_dtype(MODES["bf16-true"])
+    torch.bfloat16
+    """
+    if mode.fp8:
+        return torch.int8
+    dtype = mode.param_dtype or mode.autocast_dtype
+    return dtype if dtype is not None else torch.float32
 
 
 def uses_fp8_settings(name: str) -> bool:
@@ -139,7 +177,9 @@ def auto_choice(device_type: str) -> tuple[str, str]:
     if device_type == "cuda":
         if bf16_supported("cuda"):
             major, minor = torch.cuda.get_device_capability()
-            return "bf16", f"the GPU (compute capability {major}.{minor}) supports bf16 (fp8 is opt-in: precision='fp8')"
+            return "bf16", (
+                f"the GPU (compute capability {major}.{minor}) supports bf16 (fp8 is opt-in: precision='fp8')"
+            )
         return "fp16", "the GPU does not support bf16, so fp16 with dynamic loss scaling"
     if device_type == "cpu":
         return "bf16", "bf16 autocast is the fastest safe mode on the CPU"
@@ -192,3 +232,14 @@ def provisional_lightning_precision(name: str) -> str:
     if name in MODES:
         return MODES[name].lightning_precision
     return "32-true"
+
+
+def running_mode(plugin: object) -> Optional[PrecisionMode]:
+    """The mode an ``MPPlugin`` runs in (``auto`` settled for the plugin's device type if set-up has not settled it
+    yet); ``None`` for any other precision plugin."""
+    mode = getattr(plugin, "mode", None)
+    if isinstance(mode, PrecisionMode):
+        return mode
+    if getattr(plugin, "requested_precision", None) == AUTO:
+        return MODES[auto_choice(str(getattr(plugin, "device", "cpu")))[0]]
+    return None

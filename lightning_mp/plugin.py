@@ -33,7 +33,7 @@ from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
 from lightning_mp.master import parse_master_weights
 from lightning_mp.modes import PrecisionMode, parse_precision, uses_fp8_settings
-from lightning_mp.options import check_flags, check_options
+from lightning_mp.options import announce, check_flags, check_options, describe, plugin_compute_dtype
 from lightning_mp.scaling import _is_dtensor
 from lightning_mp.schedulers import SchedulerHold
 from lightning_mp.run_precision import RunPrecision
@@ -146,6 +146,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     masters = property(lambda self: self._weights.masters, doc="The master weights (``None`` before set-up, or none).")
     requested_precision = property(lambda self: self._run.requested, doc="The precision as asked for (``auto`` kept).")
     master_weights = property(lambda self: self._weights.kind(self.mode), doc="The master-weights option in force.")
+    __repr__ = describe  # MPPlugin('fp16', init_scale=1024.0): the mode and the settings that differ from defaults
+    compute_dtype = plugin_compute_dtype  # the dtype matmuls run in (lightning_mp.ThroughputMonitor reads it)
 
     def set_precision(self, precision: str) -> PrecisionMode:
         """Switch among ``fp32``, ``tf32``, ``bf16`` and ``fp16`` between two optimizer steps (``PrecisionSchedule``);
@@ -183,6 +185,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         module = distributed.unwrap_lightning_module(model)
         device = distributed.root_device(module, model)
         self._run.connect(device)
+        announce(self, module)  # rank zero, once per fit: "lightning_mp: using bf16 mixed precision (...) on cuda"
         self.stats.set_scaler(self.scaler)
         self._fsdp_root = distributed.connect(model, self.scaler, self.reduce_dtype, self.fsdp_param_dtype, self._comm_hooked)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]

@@ -346,9 +346,22 @@ class DynamicLossScaler(torch.amp.GradScaler):
         ones: that fused kernel with scale 1, one launch instead of five, which is what counts on a model whose
         step is bound by the host (``x * 1`` is ``x`` for every float, so the gradients keep their values).
         """
+        plain = torch.Tensor
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not grads:
+            return {}
+        first = grads[0]
+        if all(type(g) is plain for g in grads) and not any(g.is_sparse for g in grads):
+            device, dtype = first.device, first.dtype
+            if all(g.device == device and g.dtype == dtype for g in grads):  # one list: the common case
+                nonempty = [g for g in grads if g.numel()]
+                if not nonempty:
+                    return {}
+                flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
+                check_tensors_({dtype: nonempty}, sum(g.numel() for g in nonempty), flag)
+                return {device: flag}
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         numel: dict[torch.device, int] = defaultdict(int)
-        plain = torch.Tensor
         for group in optimizer.param_groups:
             for param in group["params"]:
                 grad = param.grad

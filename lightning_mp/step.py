@@ -324,7 +324,7 @@ class OptimizerSteps:
                 scaler.begin_step()
                 out = scaler.step(optimizer, **kwargs)
             skipped = scaler.last_skipped_host
-            verdict = scaler.found_inf(optimizer)
+            verdict = scaler.found_inf(optimizer) if skipped is None else None  # (the host knows: no device flag)
         if records is not None:
             self.masters.write_back(records, skipped=skipped, found_inf=verdict)
             state.records = None

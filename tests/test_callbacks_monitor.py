@@ -14,6 +14,7 @@ from conftest import TinyRegressor, make_trainer
 from lightning.pytorch import Callback
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_mp import MPPlugin
 from lightning_mp.callbacks import PrecisionMonitor
@@ -281,6 +282,7 @@ def test_agrees_across_ddp_ranks(tmp_path, monkeypatch):
         callbacks=[PrecisionMonitor(log_every_n_steps=2, layer_stats=True), _RankDump(str(out))],
         strategy="ddp_fork",
         devices=2,
+        logger=CSVLogger(tmp_path / "logs"),
     )
     torch.manual_seed(0)
     trainer.fit(TinyRegressor())
@@ -300,6 +302,7 @@ def test_agrees_across_ddp_ranks(tmp_path, monkeypatch):
         callbacks=[PrecisionMonitor(log_every_n_steps=2), _RankDump(str(out))],
         strategy="ddp_fork",
         devices=2,
+        logger=CSVLogger(tmp_path / "logs_sharded"),
     )
     torch.manual_seed(0)
     trainer.fit(TinyRegressor())
@@ -314,7 +317,9 @@ class _RankDump(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == 1:
             for name in ("net1", "net2"):
-                hook = lambda m, a, out, n=name: self.local.__setitem__(n, float(out.detach().abs().max()))
+                def hook(m, a, out, n=name):
+                    self.local[n] = float(out.detach().abs().max())
+
                 self.handles.append(getattr(pl_module, name).register_forward_hook(hook))
 
     def on_train_end(self, trainer, pl_module):
@@ -331,3 +336,63 @@ def test_layer_gradient_figures_in_true_half_with_master_weights(tmp_path, kind)
     grads = {k: v for k, v in monitor.last.items() if k.startswith("precision/grad_") and k.endswith(("net1", "net2"))}
     assert grads and all(math.isfinite(v) for v in grads.values()), monitor.last
     assert monitor.last["precision/grad_underflow/net1"] < 1.0  # real gradients, not missing ones
+
+
+# ---------------------------------------------------------------------------------------------- Lightning's logging
+def test_figures_reach_callback_metrics_so_early_stopping_and_checkpoints_watch_them(tmp_path):
+    """A skip rate above 0.5 stops training (EarlyStopping's divergence threshold); ModelCheckpoint ranks by the
+    gradient norm. Both read ``trainer.callback_metrics``, where the monitor's figures land."""
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    monitor = PrecisionMonitor(log_every_n_steps=2)
+    stop = EarlyStopping(
+        monitor="precision/skip_rate", mode="min", divergence_threshold=0.5, patience=100, check_on_train_epoch_end=True
+    )
+    best = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="precision/grad_norm", mode="min", every_n_train_steps=2)
+    # 8 batches an epoch: in the second epoch the last logging window (batches 14 and 15) is all skipped steps
+    model = TinyRegressor(poison_grad=(14, 15), poison_value=math.nan)
+    trainer = make_trainer(
+        MPPlugin("bf16"), max_steps=-1, max_epochs=5, callbacks=[monitor, stop, best], logger=CSVLogger(tmp_path),
+        enable_checkpointing=True, log_every_n_steps=2,
+    )  # fmt: skip
+    trainer.fit(model)
+    assert stop.stopped_epoch == 1 and trainer.current_epoch == 2  # stopped after the second of five epochs
+    metrics = trainer.callback_metrics
+    assert float(metrics["precision/skip_rate"]) == 1.0 and int(metrics["precision/skipped_steps"]) == 2
+    assert {f"precision/{name}" for name in ("skipped_steps", "skip_rate", "consecutive_skips")} <= set(metrics)
+    assert best.best_model_score is not None and math.isfinite(float(best.best_model_score))
+    assert Path(best.best_model_path).is_file()
+    # the loggers still get the figures at the monitor's own steps, once each
+    assert [r["step"] for r in precision_rows(tmp_path)] == [str(s) for s in range(1, 16, 2)]
+
+
+@pytest.mark.parametrize("prog_bar", [False, True])
+def test_prog_bar_shows_the_scalar_figures_on_request(tmp_path, prog_bar):
+    monitor = PrecisionMonitor(log_every_n_steps=1, layer_stats=True, prog_bar=prog_bar)
+    trainer = fit(tmp_path, MPPlugin("fp16"), [monitor], max_steps=2)
+    shown = {k for k in trainer.progress_bar_metrics if k.startswith("precision/")}
+    expected = {f"precision/{name}" for name in monitor_module.SCALAR_NAMES}  # loss scale, skips, grad norm
+    assert shown == (expected if prog_bar else set())
+    assert "precision/act_absmax/net1" in trainer.callback_metrics  # per-layer figures: callback metrics only
+    with pytest.raises(ValueError, match="prog_bar='yes' is invalid"):
+        PrecisionMonitor(prog_bar="yes")
+
+
+def test_a_trainer_without_a_logger_is_refused_when_fit_starts():
+    trainer = make_trainer(MPPlugin("bf16"), callbacks=[PrecisionMonitor()])  # conftest's Trainer: logger=False
+    with pytest.raises(MisconfigurationException, match=r"Cannot use `PrecisionMonitor` callback with `Trainer` that"
+                       r" has no logger\."):  # fmt: skip
+        trainer.fit(TinyRegressor())
+    trainer.validate(TinyRegressor())  # only fit logs: validate runs without a logger
+
+
+def test_plot_says_why_it_drew_nothing(tmp_path):
+    path = tmp_path / "precision.png"
+    with pytest.warns(UserWarning, match=r"drew nothing: no logging step ran: fit made 4 optimizer steps and the"
+                      r" monitor logs every 50"):  # fmt: skip
+        fit(tmp_path, MPPlugin("bf16"), [PrecisionMonitor(log_every_n_steps=50, plot=str(path))], max_steps=4)
+    assert not path.exists()
+    pytest.importorskip("matplotlib")
+    unwritable = tmp_path / "no such folder" / "precision.png"
+    with pytest.warns(UserWarning, match="could not write the plot"):
+        fit(tmp_path, MPPlugin("bf16"), [PrecisionMonitor(log_every_n_steps=1, plot=str(unwritable))], max_steps=2)

@@ -153,7 +153,7 @@ def test_all_three_callbacks_from_a_lightning_cli_yaml(tmp_path):
         "trainer": {
             "accelerator": "cpu",
             "max_steps": 4,
-            "logger": False,
+            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}},
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,

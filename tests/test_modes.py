@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lightning_mp import MPPlugin, parse_precision, resolve_mode
-from lightning_mp.modes import ALIASES, MODES, accepted_names
+from lightning_mp.modes import ALIASES, MODES, accepted_names, compute_dtype
 
 
 @pytest.mark.parametrize(
@@ -23,13 +23,26 @@ from lightning_mp.modes import ALIASES, MODES, accepted_names
         ("bf16-true", "bf16-true"),
         ("16-true", "fp16-true"),
         ("transformer-engine", "fp8"),
+        # dtype names (Hugging Face, NeMo) and torch dtypes: the autocast modes
+        ("bfloat16", "bf16"),
+        ("BFloat16", "bf16"),
+        ("float16", "fp16"),
+        ("float32", "fp32"),
+        (torch.bfloat16, "bf16"),
+        (torch.float16, "fp16"),
+        (torch.float32, "fp32"),
     ],
 )
 def test_parse_names_and_lightning_aliases(value, expected):
     assert parse_precision(value) == expected
 
 
-@pytest.mark.parametrize("bad", ["fp64", "bfloat16", "", "16-mix", None, 3.5, True])
+def test_dtype_aliases_reach_the_plugin():
+    assert MPPlugin("bfloat16").mode.name == "bf16" and MPPlugin("bfloat16").precision == "bf16-mixed"
+    assert MPPlugin("float16").mode.needs_scaler and MPPlugin("float32").precision == "32-true"
+
+
+@pytest.mark.parametrize("bad", ["fp64", "float64", torch.float64, "half", "", "16-mix", None, 3.5, True])
 def test_bad_string_names_value_and_every_accepted_name(bad):
     with pytest.raises(ValueError) as err:
         parse_precision(bad)
@@ -37,6 +50,27 @@ def test_bad_string_names_value_and_every_accepted_name(bad):
     assert repr(bad) in message
     for name in accepted_names():
         assert repr(name) in message
+    assert "'bfloat16'" in message and "'float32'" in message
+
+
+@pytest.mark.parametrize(
+    ("level", "equivalent"),
+    [("O0", "'fp32'"), ("O1", "'fp16'"), ("o2", "'fp16-true'"), ("O3", "'fp16-true' with master_weights='none'")],
+)
+def test_apex_opt_levels_are_refused_with_their_equivalent(level, equivalent):
+    with pytest.raises(ValueError) as err:
+        parse_precision(level)
+    message = str(err.value)
+    assert f"Unknown precision {level!r}. Accepted values: 'fp32'," in message
+    assert f"Apex AMP's opt level {level!r} is not accepted; its equivalent is {equivalent}" in message
+
+
+def test_compute_dtype_of_every_mode():
+    expected = {
+        "fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+        "bf16-true": torch.bfloat16, "fp16-true": torch.float16, "fp8": torch.int8,
+    }  # fmt: skip
+    assert {name: compute_dtype(mode) for name, mode in MODES.items()} == expected
 
 
 def test_plugin_rejects_bad_precision_at_construction():
@@ -55,7 +89,9 @@ def test_mode_table():
     assert MODES["fp16"].autocast_dtype is torch.float16
     assert MODES["fp32"].autocast_dtype is None and MODES["fp32"].tf32 is False
     assert MODES["tf32"].tf32 is True
-    assert {m.lightning_precision for m in MODES.values()} == {"32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine"}
+    assert {m.lightning_precision for m in MODES.values()} == {
+        "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true", "transformer-engine"
+    }
     assert MODES["bf16-true"].param_dtype is torch.bfloat16 and MODES["fp16-true"].needs_scaler
     assert set(ALIASES.values()) <= set(accepted_names())
 
@@ -69,7 +105,9 @@ def test_auto_on_cpu_is_bf16_and_says_why(caplog):
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         make_trainer(MPPlugin("auto"), max_steps=1).fit(TinyRegressor())
     chosen = [r.getMessage() for r in caplog.records if "precision='auto'" in r.getMessage()]
-    assert chosen == ["MPPlugin(precision='auto') chose 'bf16' on cpu: bf16 autocast is the fastest safe mode on the CPU."]
+    assert chosen == [
+        "MPPlugin(precision='auto') chose 'bf16' on cpu: bf16 autocast is the fastest safe mode on the CPU."
+    ]
 
 
 def test_unsupported_hardware_says_why_and_what_instead(monkeypatch):

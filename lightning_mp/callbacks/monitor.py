@@ -11,7 +11,11 @@ When it reads what (automatic optimization; the order matters):
    gradient norm and the per-layer gradient figures are computed.
 3. ``on_train_batch_end``: after the optimizer step and the scaler update. On logging steps the figures
    are read (with ``MPPlugin``: one ``StepStats.as_dict()`` copy), agreed across ranks through torchmetrics,
-   and written to every logger at Lightning's own step index.
+   written to every logger at Lightning's own step index, and logged with ``pl_module.log(..., logger=False)``
+   so that they reach ``trainer.callback_metrics`` (``EarlyStopping``, ``ModelCheckpoint``) and, with
+   ``prog_bar=True``, the progress bar.
+
+This module also holds :class:`ThroughputMonitor`: Lightning's, with the compute dtype read from ``MPPlugin``.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.callbacks import ThroughputMonitor as _LightningThroughputMonitor
+from lightning.pytorch.callbacks import throughput_monitor as _throughput_module
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_mp.callbacks._tensors import _floating_tensors, _local
+from lightning_mp.modes import compute_dtype, running_mode
 from lightning_mp.stats import StepStats
 
 #: largest finite fp16 value and smallest positive normal fp16 value
@@ -60,6 +68,10 @@ class PrecisionMonitor(Callback):
         trainer = Trainer(precision="16-mixed", logger=CSVLogger("logs"), max_steps=200,
                           callbacks=[PrecisionMonitor(layer_stats=True)])
         trainer.fit(model)   # logs/lightning_logs/version_0/metrics.csv: precision/loss_scale, ...
+        trainer.callback_metrics["precision/skip_rate"]   # also there: EarlyStopping/ModelCheckpoint can watch it
+
+    It needs a logger: a ``Trainer`` without one (``logger=False``) raises ``MisconfigurationException`` when
+    ``fit`` starts, as Lightning's ``LearningRateMonitor`` does.
 
     Works with ``MPPlugin`` (reads ``plugin.stats``), with Lightning's ``MixedPrecision`` / ``FSDPPrecision``
     (reads ``trainer.scaler`` and the gradients of ``on_before_optimizer_step``), and with no scaler at all
@@ -84,6 +96,12 @@ class PrecisionMonitor(Callback):
     With several processes every figure is agreed through a torchmetrics ``Metric`` (maxima and element
     counts reduced over ranks), so every rank computes, and rank zero logs, the same numbers.
 
+    Every figure is also logged through ``pl_module.log(name, value, logger=False)`` on the logging steps, so it
+    lands in ``trainer.callback_metrics`` on every rank (and keeps its last value between logging steps):
+    ``EarlyStopping(monitor="precision/skip_rate", mode="min")`` or ``ModelCheckpoint(monitor=...)`` can watch
+    it. The loggers get the figures from the monitor itself (``logger=False`` there), at the monitor's own
+    ``log_every_n_steps``, which may differ from the Trainer's.
+
     Cost: with ``MPPlugin`` or without a scaler nothing between logging steps (a few Python comparisons); with a
     native scaler, two or three tiny in-place device ops a step to count skips (no host sync); on logging steps
     a few host copies, one gradient-norm pass and, with ``layer_stats``, forward hooks on the chosen layers and
@@ -97,7 +115,10 @@ class PrecisionMonitor(Callback):
         layers: a regular expression; with ``layer_stats``, report the modules whose qualified name matches
             it (``re.search``) instead of the modules that own parameters.
         plot: a PNG path: at the end of fit, rank zero draws the loss scale and the skipped steps over the
-            logging steps (needs matplotlib: ``pip install matplotlib``).
+            logging steps (needs matplotlib: ``pip install matplotlib``); when there is nothing to draw (no
+            logging step ran) or the file cannot be written, a warning says why.
+        prog_bar: also show the scalar figures (loss scale, skipped steps, skip rate, consecutive skips, gradient
+            norm; not the per-layer ones) on the progress bar.
     """
 
     #: it reads gradients and never writes them: MPPlugin's verdict need not look again after this hook
@@ -109,6 +130,7 @@ class PrecisionMonitor(Callback):
         layer_stats: bool = False,
         layers: Optional[str] = None,
         plot: Optional[str] = None,
+        prog_bar: bool = False,
     ) -> None:
         super().__init__()
         if log_every_n_steps is not None and (
@@ -118,8 +140,9 @@ class PrecisionMonitor(Callback):
                 f"log_every_n_steps={log_every_n_steps!r} is invalid: use an integer >= 1, or None for the"
                 " Trainer's log_every_n_steps."
             )
-        if not isinstance(layer_stats, bool):
-            raise ValueError(f"layer_stats={layer_stats!r} is invalid: use true or false.")
+        for name, flag in (("layer_stats", layer_stats), ("prog_bar", prog_bar)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"{name}={flag!r} is invalid: use true or false.")
         self._layer_pattern: Optional[re.Pattern] = None
         if layers is not None:
             if not isinstance(layers, str) or not layers:
@@ -144,6 +167,7 @@ class PrecisionMonitor(Callback):
         self.layer_stats = layer_stats
         self.layers = layers
         self.plot = plot
+        self.prog_bar = prog_bar
 
         #: the figures of the last logging step (the same numbers on every rank)
         self.last: dict[str, float] = {}
@@ -170,6 +194,11 @@ class PrecisionMonitor(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        if not trainer.loggers:
+            raise MisconfigurationException(
+                "Cannot use `PrecisionMonitor` callback with `Trainer` that has no logger. Pass one, e.g."
+                " `Trainer(logger=CSVLogger('logs'))`, or leave `logger` at its default."
+            )
         self._every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
         self._names, self._modules = [], []
         if self.layer_stats:
@@ -199,8 +228,32 @@ class PrecisionMonitor(Callback):
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._remove_hooks()
-        if self.plot is not None and trainer.is_global_zero and self.history:
+        if self.plot is None or not trainer.is_global_zero:
+            return
+        why = self._nothing_to_draw(trainer)
+        if why is not None:
+            rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) drew nothing: {why}.")
+            return
+        try:
             self._draw(self.plot)
+        except (ImportError, OSError) as err:
+            rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) could not write the plot: {err}")
+            return
+        rank_zero_info(
+            f"PrecisionMonitor: plotted the loss scale and skipped steps of {len(self.history)} logging steps"
+            f" to {self.plot}"
+        )
+
+    def _nothing_to_draw(self, trainer: Trainer) -> Optional[str]:
+        """Why the plot would be empty, or ``None`` when there is something to draw."""
+        if self.history:
+            return None
+        if self._every <= 0:
+            return "logging is off (the Trainer's log_every_n_steps=0); set PrecisionMonitor(log_every_n_steps=N)"
+        return (
+            f"no logging step ran: fit made {trainer.global_step} optimizer steps and the monitor logs every"
+            f" {self._every}; pass a smaller log_every_n_steps"
+        )
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -259,12 +312,12 @@ class PrecisionMonitor(Callback):
         if stats is None:
             self._native.after_step(trainer.scaler)
         if self._logging_step:
-            self._log(trainer, stats)
+            self._log(trainer, pl_module, stats)
             self._logging_step = False
             self._remove_hooks()
 
     # ------------------------------------------------------------------ reading
-    def _log(self, trainer: Trainer, stats: Optional[StepStats]) -> None:
+    def _log(self, trainer: Trainer, pl_module: LightningModule, stats: Optional[StepStats]) -> None:
         scaler = trainer.scaler
         if stats is not None:
             figures = stats.as_dict()  # one host copy
@@ -336,6 +389,13 @@ class PrecisionMonitor(Callback):
         )
         for logger in trainer.loggers:
             logger.log_metrics(figures, step=step)
+        # callback_metrics (and the progress bar): CPU tensors, so a GPU run makes no host-to-device copies here
+        scalar_names = {f"precision/{name}" for name in SCALAR_NAMES}
+        scalars = {k: torch.tensor(float(v)) for k, v in figures.items() if k in scalar_names}
+        layers = {k: torch.tensor(float(v)) for k, v in figures.items() if k not in scalar_names}
+        for values, prog_bar in ((scalars, self.prog_bar), (layers, False)):
+            if values:
+                pl_module.log_dict(values, prog_bar=prog_bar, logger=False, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ per-layer figures (logging steps only)
     def _forward_hook(self, index: int) -> Any:
@@ -425,6 +485,54 @@ class PrecisionMonitor(Callback):
         window = state_dict.get("window_start")
         self._window_start = (int(window[0]), int(window[1])) if window is not None else None
         self.history = [(int(s), None if v is None else float(v), int(k)) for s, v, k in state_dict.get("history", [])]
+
+
+class ThroughputMonitor(_LightningThroughputMonitor):
+    """Lightning's ``ThroughputMonitor`` (same arguments, same metrics), with the compute dtype read from ``MPPlugin``.
+
+    Lightning's own looks up the device's peak FLOPs (for ``device/mfu``) by the plugin's class: every
+    ``MixedPrecision`` subclass counts as fp16 unless ``precision == "bf16-mixed"``, so ``MPPlugin`` in ``fp32``,
+    ``tf32``, ``bf16-true`` or ``fp8`` gets fp16's peak. This one uses the mode's dtype (``compute_dtype``:
+    ``float32`` with TF32 when the run turns it on, ``bfloat16``, ``float16``, ``int8`` for FP8 as Lightning's
+    Transformer Engine plugin does); with any other precision plugin it is Lightning's unchanged.
+
+    Example::
+
+        from lightning_mp import MPPlugin, ThroughputMonitor
+
+        monitor = ThroughputMonitor(batch_size_fn=lambda batch: batch[0].size(0))
+        Trainer(plugins=[MPPlugin("bf16-true")], callbacks=[monitor])   # device/mfu against the bf16 peak
+    """
+
+    #: the dtype the peak FLOPs were looked up for (``None`` before set-up or with another precision plugin)
+    compute_dtype: Optional[torch.dtype] = None
+
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        plugin = trainer.precision_plugin
+        mode = running_mode(plugin)
+        if mode is None:
+            return
+        self.compute_dtype = compute_dtype(mode)
+        run = getattr(plugin, "_run", None)
+        tf32 = run.tf32 if run is not None and run.tf32 is not None else mode.tf32
+        self.available_flops = _available_flops(trainer.strategy.root_device, self.compute_dtype, tf32)
+        for throughput in self._throughputs.values():
+            throughput.available_flops = self.available_flops
+
+
+def _available_flops(device: torch.device, dtype: torch.dtype, tf32: Optional[bool]) -> Optional[int]:
+    """Lightning's peak-FLOPs table lookup; for fp32 with TF32 set by the run, the TF32 (or the plain fp32) peak."""
+    if dtype is not torch.float32 or tf32 is None or device.type != "cuda":
+        return _throughput_module.get_available_flops(device, dtype)
+    # Lightning picks the TF32 peak from the matmul precision in force; the plugin sets it only at set-up, later
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if tf32 else "highest")
+    try:
+        return _throughput_module.get_available_flops(device, dtype)
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 # ---------------------------------------------------------------------------------------------- helpers
