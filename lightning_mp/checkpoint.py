@@ -3,7 +3,7 @@
 The entry holds only plain tensors, numbers, strings and dicts (``torch.load(weights_only=True)`` reads it)::
 
     {"mode": "fp16", "scaler": {...}, "optimizers": [{"steps": 10, "skipped_steps": 1, "consecutive_skips": 0}],
-     "master_weights": {"kind": "fp32", "masters": {name: tensor}}, "fp8": {...}}
+     "master_weights": {"kind": "fp32", "masters": {name: tensor}}, "fp8": {...}, "spike": {"values": tensor, ...}}
 
 A checkpoint written with Lightning's ``precision="16-mixed"`` (a bare GradScaler state under ``MixedPrecision``)
 resumes with its loss scale. The checkpoint's weights are the truth: its master weights are used only where they
@@ -23,8 +23,12 @@ from lightning_mp.modes import MODES
 from lightning_mp.stats import StepStats
 
 
-def plugin_state(mode: str, scaler: Any, masters: Optional[MasterWeights], fp8: Any, stats: StepStats) -> dict[str, Any]:
+def plugin_state(
+    mode: str, scaler: Any, masters: Optional[MasterWeights], fp8: Any, stats: StepStats, spike: Any = None
+) -> dict[str, Any]:
     state: dict[str, Any] = {"mode": mode, "optimizers": [s.state_dict() for s in stats.per_optimizer]}
+    if spike is not None:
+        state["spike"] = spike.state_dict()
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     if masters is not None:
@@ -58,6 +62,7 @@ def load_plugin_state(
     fp8: Any,
     stats: StepStats,
     module: Optional[nn.Module],
+    spike: Any = None,
 ) -> None:
     state = normalise(state)
     saved_mode = state["mode"]
@@ -77,6 +82,8 @@ def load_plugin_state(
     _load_master_weights(state.get("master_weights"), masters, master_weights, current_mode, module)
     if fp8 is not None:
         fp8.load_state_dict(state.get("fp8"))  # warns when the recipe changed
+    if spike is not None and state.get("spike") is not None:
+        spike.load_state_dict(state["spike"])  # the window of recent losses and gradient norms goes on
 
 
 def _scales(mode: Any) -> bool:

@@ -109,6 +109,8 @@ _SETTINGS: dict[str, Callable[[Any], Any]] = {
     "fp8": lambda p: p.fp8_config,
     "reduce_dtype": lambda p: p.reduce_dtype,
     "fsdp_param_dtype": lambda p: p.fsdp_param_dtype,
+    "spike_sigma": lambda p: p.spike_sigma,
+    "spike_window": lambda p: p.spike_window,
 }
 
 

@@ -35,6 +35,7 @@ from lightning_mp.master import parse_master_weights
 from lightning_mp.modes import PrecisionMode, parse_precision, uses_fp8_settings
 from lightning_mp.options import announce, check_flags, check_options, describe, plugin_compute_dtype
 from lightning_mp.scaling import _is_dtensor
+from lightning_mp.spike import SpikeGuard, check_spike_options
 from lightning_mp.schedulers import SchedulerHold
 from lightning_mp.run_precision import RunPrecision
 from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
@@ -77,6 +78,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         fp8: :class:`~lightning_mp.fp8.FP8Config` or a dict of its fields, for ``precision="fp8"``.
         reduce_dtype, fsdp_param_dtype: the dtype gradients are reduced in across ranks, and the dtype FSDP gathers
             parameters in for compute (``"fp32"``/None, ``"bf16"``, ``"fp16"``).
+        spike_sigma, spike_window: the loss-spike guard (off by default): skip a step whose loss or gradient norm
+            exceeds mean + ``spike_sigma`` standard deviations of the last ``spike_window`` clean steps, as an
+            inf/NaN step is skipped (see :mod:`lightning_mp.spike`).
     """
 
     def __init__(
@@ -104,6 +108,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         fp8: Optional[Union[FP8Config, dict]] = None,
         reduce_dtype: Optional[str] = None,
         fsdp_param_dtype: Optional[str] = None,
+        spike_sigma: Optional[float] = None,
+        spike_window: int = 128,
     ) -> None:
         # not MixedPrecision.__init__: it needs the device up front and knows two modes only
         scaler_kwargs = dict(
@@ -116,6 +122,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         check_options(loss_scale=loss_scale, max_consecutive_skips=max_consecutive_skips, tf32=tf32,
                       reduce_dtype=reduce_dtype, fsdp_param_dtype=fsdp_param_dtype, device=device,
                       scaler_kwargs=scaler_kwargs)  # fmt: skip
+        check_spike_options(spike_sigma, spike_window)
+        if spike_sigma is not None and not skip_nonfinite:
+            raise ValueError(f"spike_sigma={spike_sigma!r} skips steps as the inf/NaN check does: it needs skip_nonfinite=True.")
+        self.spike_sigma, self.spike_window = spike_sigma, spike_window
+        self._spike = SpikeGuard(spike_sigma, spike_window) if spike_sigma is not None else None
         requested = parse_precision(precision)
         if fp8 is not None and not uses_fp8_settings(requested):
             rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={requested!r}; they take effect with 'fp8'.")
@@ -130,7 +141,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             given_scaler=scaler, skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips, tf32=tf32,
             fp8_config=self.fp8_config, fsdp_param_dtype=fsdp_param_dtype, weights=self._weights,
         )  # fmt: skip
-        self.stats = StepStats(self._run.scaler)
+        self.stats = StepStats(self._run.scaler, spike=self._spike)
         self._steps: Optional[OptimizerSteps] = None
         self._hold = SchedulerHold()
         self._comm_hooked, self._fsdp_root = [], None  # DDP models given a reduce_dtype hook; the root FSDP module
@@ -193,7 +204,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._steps = OptimizerSteps(
             self.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
             saturation=self._fp8.sentinel.take if self._fp8 is not None and self.mode.fp8 else None,
-            release_grads=self.release_grads_after_step and module is not None
+            spike=self._spike, release_grads=self.release_grads_after_step and module is not None
             and not is_overridden("optimizer_zero_grad", module, LightningModule),
         )  # fmt: skip
         self._steps.connect(module, raw)
@@ -268,6 +279,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     # ------------------------------------------------------------------ backward and step
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        if self._steps is not None:
+            self._steps.saw_loss(tensor)  # (the spike guard's figure)
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         if self._steps is not None:
@@ -333,14 +346,14 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return plugin_state(self._run.name, self.scaler, self.masters, self._fp8, self.stats)
+        return plugin_state(self._run.name, self.scaler, self.masters, self._fp8, self.stats, self._spike)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         load_plugin_state(
             state_dict, current_mode=self._run.name, scaler=self.scaler,
             masters=self.masters, master_weights=self.master_weights, fp8=self._fp8, stats=self.stats,
-            module=self._converted,
+            module=self._converted, spike=self._spike,
         )  # fmt: skip
 
     @override

@@ -109,8 +109,9 @@ class StepStats:
     host (a sync on CUDA): read them on logging steps. ``as_dict()`` reads everything at once.
     """
 
-    def __init__(self, scaler: Optional[Any] = None) -> None:
+    def __init__(self, scaler: Optional[Any] = None, spike: Optional[Any] = None) -> None:
         self._scaler = scaler
+        self._spike = spike  # the loss-spike guard (``None``: off)
         self._grad_norm: Optional[Tensor] = None
         self.per_optimizer: list[OptimizerStats] = []
         self._namer: Optional[Callable[[Tensor], Optional[str]]] = None
@@ -164,6 +165,11 @@ class StepStats:
         return sum(s.steps for s in self.per_optimizer)
 
     @property
+    def spike_skips(self) -> int:
+        """Steps skipped by the loss-spike guard so far (counted in ``skipped_steps`` too; 0 when it is off)."""
+        return 0 if self._spike is None else self._spike.spike_skips
+
+    @property
     def loss_scale(self) -> Optional[float]:
         """The current loss scale, or ``None`` when the mode does not scale the loss."""
         return self._loss_scale()
@@ -189,6 +195,7 @@ class StepStats:
             "skipped": any(s.last_skipped for s in per),
             "loss_scale": self._loss_scale(),
             "grad_norm": None if self._grad_norm is None else float(self._grad_norm.item()),
+            "spike_skips": 0 if self._spike is None else self._spike.spike_skips,
         }
 
     def __repr__(self) -> str:

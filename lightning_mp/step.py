@@ -51,6 +51,7 @@ from lightning_mp.buffers import BufferSnapshot
 from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.master import MasterWeights, StepRecords
 from lightning_mp.overlap import OverlappedCheck
+from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
@@ -71,6 +72,8 @@ class _OptimizerState:
     records: Optional[StepRecords] = None
     #: no verdict source has seen the gradients since something may have written them
     dirty: bool = True
+    #: the total gradient norm clipping computed this step (the spike guard's figure; ``None``: not computed)
+    norm: Optional[Tensor] = None
     stats: OptimizerStats = field(default_factory=OptimizerStats)
 
 
@@ -93,6 +96,7 @@ class OptimizerSteps:
         *,
         max_consecutive_skips: Optional[int],
         saturation: Optional[Callable[[], Optional[Tensor]]] = None,
+        spike: Optional[SpikeGuard] = None,
         release_grads: bool = False,
     ) -> None:
         self.scaler = scaler
@@ -100,6 +104,8 @@ class OptimizerSteps:
         self.stats = stats
         self.max_consecutive_skips = max_consecutive_skips
         self.saturation = saturation
+        self.spike = spike
+        self._loss: Optional[Tensor] = None  # what backward ran on since the last step (the spike guard's figure)
         self.release_grads = release_grads
         self.buffers = BufferSnapshot()
         self._optimizers: dict[int, _OptimizerState] = {}
@@ -151,8 +157,16 @@ class OptimizerSteps:
         if self.scaler is not None and module is not None and not self.buffers.taken:
             self.buffers.take(module, optimizers)
 
+    def saw_loss(self, loss: Tensor) -> None:
+        """Backward is about to run on ``loss`` (the spike guard sums them until the step: with accumulation,
+        Lightning's loss divided by ``accumulate_grad_batches``, so the micro-batches' mean)."""
+        if self.spike is not None and isinstance(loss, Tensor) and loss.numel() == 1:
+            loss = loss.detach().reshape(()).float()
+            self._loss = loss if self._loss is None else self._loss + loss
+
     def end_batch(self) -> None:
         """A training batch ended (manual optimization: ``training_step`` returned): one scale update."""
+        self._loss = None
         for state in self._optimizers.values():
             if state.stage is Stage.PREPARED:
                 self._abandon(state)  # prepared (e.g. clipped) but never stepped
@@ -258,6 +272,7 @@ class OptimizerSteps:
         """Clipping by norm read every gradient: a non-finite total norm is the verdict (no second pass)."""
         state = self._state(optimizer)
         self.stats.record_grad_norm(norm)
+        state.norm = norm.detach()
         if self.scaler is None:
             return
         if not self.scaler.record_check_from_(optimizer, norm):
@@ -321,6 +336,7 @@ class OptimizerSteps:
                     saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
                     if saturated is not None:
                         scaler.add_found_inf_(optimizer, saturated)
+                spike = self._spike_verdict(optimizer, state) if self.spike is not None else None
                 scaler.begin_step()
                 out = scaler.step(optimizer, **kwargs)
             skipped = scaler.last_skipped_host
@@ -332,18 +348,38 @@ class OptimizerSteps:
             self.buffers.restore(optimizer, skipped, verdict)
         state.stage = Stage.STEPPED
         if scaler is not None:
-            # the host's answer where it has one: a batch of host-known outcomes is counted without a kernel
-            self._batch_verdicts.append(skipped if skipped is not None else _as_flag(verdict, scaler))
+            if spike is not None:  # the loss scale moves on the inf/NaN verdict alone: a spike is no overflow
+                if self._loss is not None or spike[2] is not None:
+                    self.spike.observe(self._loss, spike[2], spike[0], skipped if skipped is not None else verdict)
+                self._batch_verdicts.append(spike[1])
+            else:  # the host's answer where it has one: a batch of host-known outcomes is counted without a kernel
+                self._batch_verdicts.append(skipped if skipped is not None else _as_flag(verdict, scaler))
             scaler.forget(optimizer)
         state.stats.record(skipped, verdict)
         if self.release_grads and model.automatic_optimization:
             _release_grads(optimizer)
+        state.norm = None
         if model.automatic_optimization:
             self._update_scale()  # one optimizer per batch: the batch is over
             self.buffers.drop()
             state.stage = Stage.READY
+            self._loss = None
         self._check_divergence(model, state)
         return out
+
+    def _spike_verdict(self, optimizer: Optimizer, state: _OptimizerState) -> tuple[Tensor, Tensor, Tensor]:
+        """Inside the stand-ins' swap, after every other verdict source: whether this step is a loss or gradient-norm
+        spike; it joins the skip verdict. Returns (spike, the inf/NaN verdict alone, the gradient norm)."""
+        scaler = self.scaler
+        inf_only = scaler.found_inf(optimizer)
+        inf_only = torch.zeros((), device=scaler.scale_device) if inf_only is None else inf_only.reshape(()).float().clone()
+        norm = state.norm if state.norm is not None else total_grad_norm(optimizer, sharded=scaler.sharded)
+        if self._loss is None and norm is None:  # nothing to judge (no backward, no gradient)
+            spike = torch.zeros((), dtype=torch.bool, device=scaler.scale_device)
+        else:
+            spike = all_ranks_agree(self.spike.decide(self._loss, norm))
+        scaler.add_found_inf_(optimizer, spike)
+        return spike, inf_only, norm
 
     def _abandon(self, state: _OptimizerState) -> None:
         """Drop a prepared step that never ran (an error inside it, or clipped in manual optimization and not
@@ -468,6 +504,18 @@ class OptimizerSteps:
             else "look for a NaN/inf in the data or the loss, lower the learning rate, or add gradient clipping"
         )
         which = f" of optimizer {state.index}" if len(self._optimizers) > 1 else ""
+        spikes = self.spike.spikes_in_a_row if self.spike is not None else 0
+        if spikes:
+            advice = (
+                f"{spikes} of them were loss or gradient-norm spikes (spike_sigma={self.spike.sigma:g}, spike_window="
+                f"{self.spike.window}): the loss has moved away from its recent history for good (a data shift, a"
+                " learning rate too high); raise spike_sigma, lower the learning rate, or resume from an earlier"
+                " checkpoint and skip the batches around the spike"
+            )
+            raise NonFiniteTrainingError(
+                f"{consecutive} optimizer steps{which} in a row were skipped (limit max_consecutive_skips={limit}),"
+                f" at global step {step}. Training stopped: {advice}."
+            )
         raise NonFiniteTrainingError(
             f"{consecutive} optimizer steps{which} in a row had inf/NaN gradients and were skipped (limit"
             f" max_consecutive_skips={limit}), at global step {step}"

@@ -371,7 +371,8 @@ def test_prog_bar_shows_the_scalar_figures_on_request(tmp_path, prog_bar):
     monitor = PrecisionMonitor(log_every_n_steps=1, layer_stats=True, prog_bar=prog_bar)
     trainer = fit(tmp_path, MPPlugin("fp16"), [monitor], max_steps=2)
     shown = {k for k in trainer.progress_bar_metrics if k.startswith("precision/")}
-    expected = {f"precision/{name}" for name in monitor_module.SCALAR_NAMES}  # loss scale, skips, grad norm
+    # loss scale, skips, grad norm (spike_skips only with the loss-spike guard on)
+    expected = {f"precision/{name}" for name in monitor_module.SCALAR_NAMES if name != "spike_skips"}
     assert shown == (expected if prog_bar else set())
     assert "precision/act_absmax/net1" in trainer.callback_metrics  # per-layer figures: callback metrics only
     with pytest.raises(ValueError, match="prog_bar='yes' is invalid"):

@@ -44,7 +44,7 @@ from lightning_mp.stats import StepStats
 FP16_MAX = float(torch.finfo(torch.float16).max)
 FP16_TINY = float(torch.finfo(torch.float16).tiny)
 
-SCALAR_NAMES = ("loss_scale", "skipped_steps", "skip_rate", "consecutive_skips", "grad_norm")
+SCALAR_NAMES = ("loss_scale", "skipped_steps", "skip_rate", "consecutive_skips", "grad_norm", "spike_skips")
 LAYER_FIGURES = (
     "act_absmax",
     "act_headroom",
@@ -82,6 +82,7 @@ class PrecisionMonitor(Callback):
     - ``precision/loss_scale``: the loss scale after the step's update (only when the loss is scaled);
     - ``precision/skipped_steps``: optimizer steps skipped for inf/NaN gradients so far;
     - ``precision/skip_rate``: the share of optimizer steps skipped since the previous logging step;
+    - ``precision/spike_skips``: steps the loss-spike guard skipped so far (with ``MPPlugin(spike_sigma=...)``);
     - ``precision/consecutive_skips``: skipped steps in a row up to this step;
     - ``precision/grad_norm``: the 2-norm of the unscaled gradients of the logging step;
     - with ``layer_stats=True``, for each layer (modules that own parameters, or those ``layers`` matches):
@@ -323,9 +324,11 @@ class PrecisionMonitor(Callback):
             figures = stats.as_dict()  # one host copy
             steps, skipped = figures["steps"], figures["skipped_steps"]
             consecutive, loss_scale = figures["consecutive_skips"], figures["loss_scale"]
+            spikes = figures.get("spike_skips") if getattr(stats, "_spike", None) is not None else None
         else:
             steps, skipped, consecutive = self._native.read()
             loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+            spikes = None
         previous = self._window_start if self._window_start is not None else (0, 0)
         window = steps - previous[0]
         skip_rate = (skipped - previous[1]) / window if window > 0 else 0.0
@@ -336,7 +339,8 @@ class PrecisionMonitor(Callback):
         device = self._agreement.device
         nan = float("nan")
         scalars = torch.tensor(
-            [loss_scale if loss_scale is not None else nan, skipped, skip_rate, consecutive, nan], dtype=torch.float64,
+            [loss_scale if loss_scale is not None else nan, skipped, skip_rate, consecutive, nan,
+             spikes if spikes is not None else nan], dtype=torch.float64,
             device=device,
         )
         maxima, sums = self._layer_vectors(device)
@@ -362,7 +366,10 @@ class PrecisionMonitor(Callback):
         for name, value in zip(SCALAR_NAMES, values[: len(SCALAR_NAMES)]):
             if (name == "loss_scale" and loss_scale is None) or (name == "grad_norm" and grad_norm is None):
                 continue
-            figures[f"precision/{name}"] = int(value) if name in ("skipped_steps", "consecutive_skips") else value
+            if name == "spike_skips" and spikes is None:  # the loss-spike guard is off
+                continue
+            integer = name in ("skipped_steps", "consecutive_skips", "spike_skips")
+            figures[f"precision/{name}"] = int(value) if integer else value
         if n_layers:
             offset = len(SCALAR_NAMES)
             act_max = values[offset : offset + n_layers]
