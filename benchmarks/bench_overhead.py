@@ -14,6 +14,7 @@ mp-bf16-keep-grads       ``MPPlugin("bf16", release_grads_after_step=False)``: w
 mp-bf16-noskip           ``MPPlugin("bf16", skip_nonfinite=False)``: what the inf/NaN check costs
 mp-bf16-checkafter       ``MPPlugin("bf16")`` with the check after backward (``lightning_mp.overlap`` off): what
                          taking it during backward saves
+mp-bf16-spike            ``MPPlugin("bf16", spike_sigma=6.0)``: what the loss-spike guard costs
 ...+sched                the same with a constant step-interval LambdaLR (holding it reads the skip flag)
 ...+clip                 the same with gradient clipping by norm at 1.0 (``gradient_clip_val`` / ``clip_grad_norm_``);
                          Lightning's bf16-mixed refuses clipping with a fused optimizer, so plain-bf16+clip is
@@ -89,6 +90,7 @@ ALL_MODES = (
     "mp-fp16",
     "mp-bf16-noskip",
     "mp-bf16-checkafter",
+    "mp-bf16-spike",
     "lightning-bf16-mixed+sched",
     "mp-bf16+sched",
     "plain-bf16+clip",
@@ -117,6 +119,7 @@ NATIVE = {
     "mp-bf16+sched": "lightning-bf16-mixed+sched",
     "mp-bf16-noskip": "lightning-bf16-mixed",
     "mp-bf16-checkafter": "lightning-bf16-mixed",
+    "mp-bf16-spike": "lightning-bf16-mixed",
     # Lightning's bf16-mixed refuses clipping with a fused optimizer: the plain loop is the reference
     "plain-bf16+clip": "plain-bf16+clip",
     "mp-bf16+clip": "plain-bf16+clip",
@@ -383,6 +386,8 @@ def run_lightning(
             plugin = MPPlugin("bf16", release_grads_after_step=False)
         elif mode == "mp-bf16-noskip":
             plugin = MPPlugin("bf16", skip_nonfinite=False)
+        elif mode == "mp-bf16-spike":
+            plugin = MPPlugin("bf16", spike_sigma=6.0)
         elif mode == "mp-bf16-checkafter":
             from lightning_mp import overlap
 
