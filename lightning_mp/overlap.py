@@ -35,14 +35,20 @@ class OverlappedCheck:
         self._maxima: dict[int, tuple[Tensor, int, Tensor]] = {}  # id(param) -> (grad, its version, max |grad|)
         self._stream: Optional[torch.cuda.Stream] = None
         self._armed = False
+        self.norm = float("inf")
 
     @property
     def installed(self) -> bool:
         return bool(self._handles)
 
-    def install(self, optimizers: list[Optimizer]) -> bool:
-        """Hook the dense CUDA parameters of ``optimizers`` if they are many enough; returns whether it did."""
+    def install(self, optimizers: list[Optimizer], norm: float = float("inf")) -> bool:
+        """Hook the dense CUDA parameters of ``optimizers`` if they are many enough; returns whether it did.
+
+        ``norm``: ``inf`` (each gradient's largest magnitude; :meth:`verdict` gives the largest) or ``2.0`` (each
+        gradient's L2 norm; :meth:`verdict` gives the total L2 norm, inf/NaN as well when a gradient holds one).
+        """
         self.remove()
+        self.norm = norm
         params = [
             p for opt in optimizers for group in opt.param_groups for p in group["params"]
             if isinstance(p, Tensor) and p.requires_grad and type(p.data) is Tensor and not p.is_sparse
@@ -73,17 +79,17 @@ class OverlappedCheck:
         side = self._stream
         if side is None:  # (no stream to overlap on: the same figures, in line)
             with torch.no_grad():
-                biggest = torch.linalg.vector_norm(grad, float("inf")) if grad.numel() else grad.new_zeros(())
+                biggest = torch.linalg.vector_norm(grad, self.norm) if grad.numel() else grad.new_zeros(())
         else:
             side.wait_stream(torch.cuda.current_stream(grad.device))  # the gradient is complete on the main stream
             with torch.cuda.stream(side), torch.no_grad():
-                biggest = torch.linalg.vector_norm(grad, float("inf")) if grad.numel() else grad.new_zeros(())
+                biggest = torch.linalg.vector_norm(grad, self.norm) if grad.numel() else grad.new_zeros(())
             grad.record_stream(side)  # freed on the main stream while the side one may still read it: kept till done
         self._maxima[id(param)] = (grad, grad._version, biggest)
 
     def verdict(self, optimizer: Optimizer) -> Optional[Tensor]:
-        """The largest magnitude over ``optimizer``'s gradients as backward left them, or ``None`` where a gradient
-        has no maximum taken from it as it is now (the caller checks the usual way)."""
+        """The largest magnitude (or the total L2 norm) over ``optimizer``'s gradients as backward left them, or
+        ``None`` where a gradient has no figure taken from it as it is now (the caller checks the usual way)."""
         self._armed = False
         if not self._maxima:
             return None
@@ -103,4 +109,5 @@ class OverlappedCheck:
         self._maxima = {}  # (the gradients themselves are not kept past the step: the step may release them)
         if self._stream is not None:
             torch.cuda.current_stream(maxima[0].device).wait_stream(self._stream)
-        return torch.stack(maxima).amax()
+        figures = torch.stack(maxima).float()
+        return figures.amax() if self.norm == float("inf") else figures.square().sum().sqrt()

@@ -94,7 +94,7 @@ class SpikeGuard:
         mean = torch.where(filled, self._values, 0.0).sum(1) / counted
         var = torch.where(filled, (self._values - mean[:, None]) ** 2, 0.0).sum(1) / (counted - 1).clamp(min=1)
         limit = mean + self.sigma * var.sqrt()
-        above = (now > limit).any()  # NaN compares False
+        above = ((now > limit) & torch.isfinite(now)).any()  # an inf/NaN figure is the inf/NaN check's to judge
         return above & (self._count >= self.warmup)
 
     def observe(

@@ -134,7 +134,8 @@ class OptimizerSteps:
         self._overlap.remove()
         scaler = self.scaler
         if scaler is not None and not scaler.scaling and not scaler.sharded and self.masters is None:
-            self._overlap.install(optimizers)  # a large model's check runs beside its backward
+            # a large model's check runs beside its backward (the L2 norm: the spike guard's figure too)
+            self._overlap.install(optimizers, norm=2.0 if self.spike is not None else math.inf)
 
     def close(self) -> None:
         """The run is over: the gradient hooks go."""
@@ -224,8 +225,9 @@ class OptimizerSteps:
         scaler = self.scaler
         check_only = scaler is not None and not scaler.scaling
         if self.masters is not None:
-            # check-only modes: the gather's one pass over the gradients also finds inf/NaN
-            records = self.masters.gather(optimizer, check=check_only)
+            # check-only modes: the gather's one pass over the gradients also finds inf/NaN (unless the spike guard's
+            # gradient norm is to be the check, below)
+            records = self.masters.gather(optimizer, check=check_only and self.spike is None)
             state.records = records
         if scaler is not None and scaler.scaling:
             with self._standing_in(state):
@@ -233,6 +235,15 @@ class OptimizerSteps:
             state.dirty = False
         elif state.records is not None and state.records.found is not None:
             state.dirty = not scaler.record_verdict_(optimizer, state.records.found)
+        elif check_only and self.spike is not None:
+            # the spike guard needs the total gradient norm, which is inf/NaN when a gradient is: one pass for both
+            # (taken during backward for large models)
+            norm = self._overlap.verdict(optimizer) if self._overlap.installed else None
+            if norm is None:
+                with self._standing_in(state):
+                    norm = total_grad_norm(optimizer, sharded=scaler.sharded)
+            state.norm = norm
+            state.dirty = norm is None or not scaler.record_check_from_(optimizer, norm)
         else:
             # the maxima taken during backward, where every gradient has one (large models, check-only modes)
             early = self._overlap.verdict(optimizer) if check_only and self._overlap.installed else None

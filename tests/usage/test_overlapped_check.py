@@ -137,7 +137,17 @@ def test_small_models_and_scaling_modes_get_no_hooks(monkeypatch, check_passes):
     monkeypatch.setattr(overlap, "DEVICE_TYPES", ("cuda", "cpu"))
     installed = []
     original = overlap.OverlappedCheck.install
-    monkeypatch.setattr(overlap.OverlappedCheck, "install", lambda self, opts: installed.append(original(self, opts)))
+    monkeypatch.setattr(overlap.OverlappedCheck, "install", lambda self, opts, **kw: installed.append(original(self, opts, **kw)))
     for mode in ("bf16", "fp16", "bf16-true"):
         opt_trainer(MPPlugin(mode), max_steps=1).fit(Net())
     assert installed == [False]  # bf16 asked (too small); fp16 unscales anyway, bf16-true checks its masters
+
+
+def test_with_the_spike_guard_the_gradient_norm_taken_during_backward_is_the_check(small_models_overlap):
+    """The spike guard's figure (the total L2 norm) is inf/NaN when a gradient is: taken during backward, it is both
+    the inf/NaN check and the guard's gradient norm (no pass after backward), and a spike is still skipped."""
+    verdicts, passes = small_models_overlap
+    plugin = MPPlugin("bf16", spike_sigma=6.0, spike_window=8)
+    opt_trainer(plugin, max_steps=8).fit(Net(poison_step=6))
+    assert verdicts == [True] * 8 and passes == []
+    assert plugin.stats.skipped_steps == 1 and plugin.stats.spike_skips == 0  # an inf: the check's, not a spike

@@ -239,3 +239,10 @@ def test_ddp_style_agreement_is_a_max_over_ranks(monkeypatch):
 
 
 
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_an_inf_step_is_an_inf_skip_not_a_spike(mode):
+    p = plugin(mode)
+    opt_trainer(p, max_steps=44).fit(Net(spike_at=[40], factor=math.inf))
+    assert p.stats.skipped_steps == 1 and p.stats.spike_skips == 0
