@@ -12,7 +12,8 @@ Pairs (Lightning's mode, then ours): ``32-true``/``fp32``, ``bf16-mixed``/``bf16
 The modes are interleaved: ``--rounds`` rounds, and in each round every mode, in a rotated order, runs one ``fit``
 of ``--warmup`` + ``--steps`` steps with a fresh Trainer (the model keeps training across rounds). Only the steps
 after the warm-up are timed, from ``on_train_batch_start`` to the next one (the cycle: the step, the hooks and
-the batch fetch), with ``torch.cuda.synchronize()`` at each end on a GPU. ``--cpu-time`` times the process's CPU time instead
+the batch fetch). On a GPU a round gives one figure, its mean step (``torch.cuda.synchronize()`` at the first timed
+step and at the end only), and the statistics are over rounds. ``--cpu-time`` times the process's CPU time instead
 (with one torch thread, the host work alone: on a shared machine other processes do not show in it). The figure of a mode is the median over
 all its rounds' timed steps, with the interquartile range, from ``torch.utils.benchmark``'s ``Measurement``;
 ``ratio`` is Lightning's median over ours (above 1: ours is faster).
@@ -48,24 +49,33 @@ PAIRS = [("32-true", "fp32"), ("bf16-mixed", "bf16"), ("16-mixed", "fp16"), ("bf
 
 
 class Timer(Callback):
+    """CPU: the time of each step after the warm-up. GPU: the mean step time of the round (synchronised at the first
+    timed step and at the end only: a sync per step would add the GPU's tail to every step of a launch-bound model)."""
+
     def __init__(self, warmup: int, cuda: bool) -> None:
         self.warmup, self.cuda, self.marks, self.cpu_marks = warmup, cuda, [], []
+        self.steps = 0
 
     def _mark(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
         self.marks.append(time.perf_counter())
         self.cpu_marks.append(time.process_time())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx >= self.warmup:
+        if batch_idx == self.warmup and self.cuda:
+            torch.cuda.synchronize()
+            self._mark()
+        elif batch_idx >= self.warmup and not self.cuda:
             self._mark()
 
     def on_train_end(self, trainer, pl_module):
+        if self.cuda:
+            torch.cuda.synchronize()
         self._mark()
 
     def times(self, cpu: bool = False) -> list[float]:
         marks = self.cpu_marks if cpu else self.marks
+        if self.cuda:  # one figure per round: its mean step
+            return [(marks[-1] - marks[0]) / self.steps] if len(marks) == 2 else []
         return [b - a for a, b in zip(marks, marks[1:])]
 
 
@@ -109,6 +119,7 @@ def run_round(mode: str, model: nn.Module, batches: list, args, accelerator: str
     lit_precision = mode[len("lightning-"):] if mode.startswith("lightning-") else None
     kwargs: dict[str, Any] = {"precision": lit_precision} if lit_precision else {"plugins": [MPPlugin(mode[3:])]}
     timer = Timer(args.warmup, accelerator == "gpu")
+    timer.steps = args.steps
     trainer = Trainer(accelerator=accelerator, devices=1, max_steps=args.warmup + args.steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[timer], **kwargs)
