@@ -1,135 +1,159 @@
 """``python -m lightning_mp compare``: which precision should this model use, and what does it cost?
 
-Runs a LightningModule for N steps under each precision mode, from the same initial weights and the same
-batches, and prints one table: step time (median, and ratio to fp32 and bf16), throughput, peak memory,
-final loss and its drift from fp32, skipped steps, final loss scale, and a verdict. It ends with a
-recommendation to paste: the ``MPPlugin`` line and the YAML block.
+Trains your LightningModule (or the built-in byte-level GPT-mini, sized to the device) for N steps under each
+precision mode, from the same initial weights and the same batches, with the modes taking turns round by round,
+and prints one table (format | memory | speed | stability) and a recommendation with its confidence: the
+``MPPlugin`` line and the YAML block to paste.
 
-Example::
+Examples::
 
-    python -m lightning_mp compare                                  # the built-in byte-level GPT-mini
-    python -m lightning_mp compare --model mypkg.models:MyModule --modes fp32 bf16 fp16 --steps 100
+    python -m lightning_mp compare                                   # built-in GPT-mini, sized to the device
+    python -m lightning_mp compare --model mypkg.models:MyModule --model.width 512 --modes fp32 bf16 fp16
+    python -m lightning_mp compare --config train.yaml               # your model, data and Trainer settings
     python -m lightning_mp compare --json out.json --plot out.png
     python -m lightning_mp compare --modes fp32 bf16-true bf16-true:kahan bf16-true:stochastic bf16-true:none
 
 A mode is a precision (``bf16``, ``fp16``, ``bf16-true``, ...; Lightning's strings are accepted as aliases),
 optionally followed by ``:<master weights>`` for the true-half modes (``bf16-true:kahan`` runs
 ``MPPlugin("bf16-true", master_weights="kahan")``), or ``lightning:<precision>`` for Lightning's own plugin
-as a baseline.
+as a baseline (never recommended).
+
+How it measures (:mod:`lightning_mp.compare_engine`), how it decides (:mod:`lightning_mp.compare_stats`), what it
+reads from the flags and a config (:mod:`lightning_mp.compare_setup`) and what it prints
+(:mod:`lightning_mp.compare_report`) are documented in those modules.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import math
+import os
 import platform
-import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_mp.compare_engine import Job, ModeResult, Schedule, _count_items, run_jobs
+from lightning_mp.compare_setup import BUILTIN_DATAMODULES, BUILTIN_MODELS, InputError, load_class  # noqa: F401
+from lightning_mp.compare_stats import MIN_SPEEDUP, Candidate, Decision, decide, safety_rank
+
 #: thresholds of the verdict and of the recommendation
 DRIFT_TOLERANCE = 0.05  # final loss within 5 % of fp32's
 MAX_SKIP_RATE = 0.10  # at most 10 % of the steps skipped
+MIN_HEADROOM = 1.0  # fp16 modes are unsafe when activations come within 2**1 of fp16's largest value
+FP16_FAMILY = ("fp16", "fp16-true", "lightning:16-mixed", "lightning:16-true", "lightning:16")
 
-
-@dataclass
-class ModeResult:
-    """What one mode did. ``status`` is ok / unstable / diverged / unsupported / failed."""
-
-    mode: str
-    status: str = "ok"
-    reason: str = ""
-    lightning_precision: Optional[str] = None
-    step_ms: Optional[float] = None
-    items_per_s: Optional[float] = None
-    item_name: str = "samples"
-    peak_mem_mib: Optional[float] = None
-    final_loss: Optional[float] = None
-    loss_drift: Optional[float] = None
-    steps: int = 0
-    skipped_steps: Optional[int] = None
-    loss_scale: Optional[float] = None
-    losses: list[float] = field(default_factory=list)
-
-    @property
-    def ran(self) -> bool:
-        return self.status in ("ok", "unstable")
+DEFAULT_STEPS = 30
+DEFAULT_WARMUP = 4
+DEFAULT_ROUNDS = 8
 
 
 # --------------------------------------------------------------------------------------------- choosing
-def assess(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE, max_skip_rate: float = MAX_SKIP_RATE) -> None:
-    """Fill each row's loss drift from fp32 and turn 'ok' into 'unstable' where drift or skips are too high."""
+def reference_row(results: list[ModeResult]) -> Optional[ModeResult]:
+    """fp32's row when it ran, else the numerically safest row that ran (not a Lightning baseline)."""
+    ran = [r for r in results if r.ran and not r.mode.startswith("lightning:")]
+    fp32 = next((r for r in ran if r.mode == "fp32"), None)
+    return fp32 or (min(ran, key=lambda r: safety_rank(r.mode)) if ran else None)
+
+
+def assess(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
+           max_skip_rate: float = MAX_SKIP_RATE, min_headroom: float = MIN_HEADROOM) -> None:
+    """Fill each row's loss drift, memory share and speed-up against the reference (fp32), and turn 'ok' into
+    'unstable' where drift, skips or (fp16 modes) the reference's activation headroom are out of bounds."""
+    from lightning_mp.compare_stats import speedup
+
     reference = next((r for r in results if r.mode == "fp32" and r.ran and r.final_loss is not None), None)
+    base = reference_row(results)
+    headroom_ref = next((r for r in (reference, base) if r is not None and r.act_headroom_bits is not None), None)
     for r in results:
         if not r.ran:
             continue
         if reference is not None and r.final_loss is not None and reference.final_loss:
             r.loss_drift = (r.final_loss - reference.final_loss) / abs(reference.final_loss)
+        if base is not None and r is not base:
+            if base.peak_mem_mib and r.peak_mem_mib is not None and r.memory_kind == base.memory_kind:
+                r.mem_share = r.peak_mem_mib / base.peak_mem_mib
+            ratio = speedup(base.round_ms, r.round_ms, base.times_ms, r.times_ms) if r.step_ms else None
+            if ratio is None and base.step_ms and r.step_ms:
+                r.speedup = base.step_ms / r.step_ms
+            elif ratio is not None:
+                r.speedup, r.speedup_lo, r.speedup_hi = ratio.median, ratio.lo, ratio.hi
+        elif r is base and r.peak_mem_mib:
+            r.mem_share = 1.0
         problems = []
         if r.loss_drift is not None and abs(r.loss_drift) > drift_tolerance:
             problems.append(f"final loss {r.loss_drift:+.1%} from fp32 (tolerance {drift_tolerance:.0%})")
         if r.steps and r.skipped_steps is not None and r.skipped_steps / r.steps > max_skip_rate:
             problems.append(f"{r.skipped_steps}/{r.steps} steps skipped (tolerance {max_skip_rate:.0%})")
-        if problems:
+        if r.mode.partition(":")[0] in FP16_FAMILY or r.mode in FP16_FAMILY:
+            seen = headroom_ref if headroom_ref is not None and headroom_ref is not r else None
+            bits = seen.act_headroom_bits if seen is not None else None
+            if bits is not None and bits < min_headroom:
+                where = f" in {seen.act_layer}" if seen.act_layer else ""
+                top = f"{seen.act_absmax:.3g}" if seen.act_absmax is not None else "close to 65504"
+                problems.append(
+                    f"fp16 is unsafe for this model: under {seen.mode} the activations reach {top}{where},"
+                    f" {bits:.1f} bits of headroom below fp16's largest value 65504 (at least {min_headroom:g}"
+                    " needed); a larger batch or longer run overflows, the loss turns inf and steps are skipped:"
+                    " prefer bf16")
+        if problems and r.status == "ok":
             r.status, r.reason = "unstable", "; ".join(problems)
 
 
-def choose(
-    results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE, max_skip_rate: float = MAX_SKIP_RATE
-) -> tuple[Optional[ModeResult], str]:
-    """The fastest mode whose loss drift and skip rate are within the thresholds, and why.
+def candidates(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
+               max_skip_rate: float = MAX_SKIP_RATE) -> list[ModeResult]:
+    """The rows a recommendation may pick: ran 'ok', timed, within the thresholds, not a Lightning baseline.
 
-    A row qualifies when it ran, its |drift| from fp32 is at most ``drift_tolerance`` (unknown drift only
-    qualifies when no fp32 row exists) and its skip rate is at most ``max_skip_rate``.
+    Unknown drift only qualifies when no fp32 row exists.
     """
     has_reference = any(r.mode == "fp32" and r.ran for r in results)
-    candidates = []
+    out = []
     for r in results:
-        if not r.ran or r.step_ms is None or r.mode.startswith("lightning:"):  # baselines are not advice
+        if r.status != "ok" or r.step_ms is None or r.mode.startswith("lightning:"):
             continue
-        if r.loss_drift is None and has_reference:
+        if r.loss_drift is None and has_reference and r.mode != "fp32":
             continue
         if r.loss_drift is not None and abs(r.loss_drift) > drift_tolerance:
             continue
         if r.steps and r.skipped_steps is not None and r.skipped_steps / r.steps > max_skip_rate:
             continue
-        candidates.append(r)
-    if not candidates:
+        out.append(r)
+    return out
+
+
+def decide_results(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
+                   max_skip_rate: float = MAX_SKIP_RATE, min_speedup: float = MIN_SPEEDUP) -> Decision:
+    """The decision of :func:`lightning_mp.compare_stats.decide` over the qualifying rows."""
+    rows = candidates(results, drift_tolerance, max_skip_rate)
+    return decide([Candidate(r.mode, r.round_ms or [r.step_ms], r.times_ms, r.peak_mem_mib, r.step_ms) for r in rows],
+                  min_speedup)
+
+
+def choose(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE, max_skip_rate: float = MAX_SKIP_RATE,
+           min_speedup: float = MIN_SPEEDUP) -> tuple[Optional[ModeResult], str]:
+    """The recommended row and why: the numerically safest mode that is not clearly slower than the fastest.
+
+    See :mod:`lightning_mp.compare_stats` for the rule; rows must qualify as in :func:`candidates`.
+    """
+    from lightning_mp.compare_report import explain
+
+    decision = decide_results(results, drift_tolerance, max_skip_rate, min_speedup)
+    if decision.mode is None:
         return None, "no mode ran within the thresholds; keep fp32 and look at the unstable rows"
-    best = min(candidates, key=lambda r: r.step_ms)
-    parts = [f"the fastest mode whose final loss is within {drift_tolerance:.0%} of fp32"
-             f" with at most {max_skip_rate:.0%} of steps skipped"]
-    fp32 = next((r for r in results if r.mode == "fp32" and r.ran and r.step_ms), None)
-    if fp32 is not None and best is not fp32:
-        parts.append(f"{fp32.step_ms / best.step_ms:.2f}x the speed of fp32")
-    if not has_reference:
-        parts.append("(no fp32 run to measure drift against)")
-    return best, ", ".join(parts)
+    best = next(r for r in results if r.mode == decision.mode)
+    return best, explain(decision, results, None, noisy=any(r.noisy for r in results))
 
 
-def recommendation_text(best: Optional[ModeResult], reason: str) -> str:
-    if best is None:
-        return f"Recommendation: none — {reason}."
-    precision, master = split_mode(best.mode)
-    master_arg = "" if master is None else f', master_weights="{master}"'
-    return (
-        f"Recommendation: {best.mode} — {reason}.\n\n"
-        f'    Trainer(plugins=[MPPlugin("{precision}"{master_arg})])\n\n'
-        "    trainer:\n"
-        "      plugins:\n"
-        "        - class_path: lightning_mp.MPPlugin\n"
-        "          init_args:\n"
-        f"            precision: {precision}\n"
-        + ("" if master is None else f"            master_weights: {master}\n")
-    )
+def recommendation_text(best: Optional[ModeResult], reason: str, confidence: Optional[str] = None) -> str:
+    from lightning_mp.compare_report import recommendation_text as text
+
+    return text(best, reason, confidence)
 
 
 # --------------------------------------------------------------------------------------------- mode names
@@ -176,7 +200,6 @@ def parse_mode(value: str) -> str:
     return f"{precision}:{master}"
 
 
-# --------------------------------------------------------------------------------------------- running
 def default_modes(device_type: str) -> list[str]:
     from lightning_mp import modes
 
@@ -186,6 +209,8 @@ def default_modes(device_type: str) -> list[str]:
 def _unsupported_reason(mode: str, device_type: str) -> Optional[str]:
     from lightning_mp.modes import resolve_mode
 
+    if mode.startswith("lightning:"):
+        return None
     mode = split_mode(mode)[0]  # a master-weight option changes nothing the hardware needs
     if mode == "tf32" and device_type != "cuda":
         return "TF32 needs an NVIDIA GPU (Ampere or newer); elsewhere it is fp32"
@@ -198,7 +223,12 @@ def _unsupported_reason(mode: str, device_type: str) -> Optional[str]:
     return None
 
 
+# --------------------------------------------------------------------------------------------- one mode alone
 class _PeakMemory:
+    """Process-level peak memory (CUDA max allocated, or the CPU process's peak RSS) for callers that run one mode
+    per process or per measurement (``benchmarks/run_all.py``). ``compare`` itself measures per mode instead (see
+    :mod:`lightning_mp.compare_engine`): the CPU's RSS only grows with run order."""
+
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
 
@@ -227,60 +257,6 @@ class _PeakMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _count_items(batch: Any) -> tuple[int, str]:
-    first = batch[0] if isinstance(batch, (list, tuple)) else batch
-    if isinstance(first, torch.Tensor):
-        if first.dim() == 2 and not first.is_floating_point():
-            return first.numel(), "tokens"
-        return first.shape[0], "samples"
-    return 1, "batches"
-
-
-def _make_recorder(device_type: str):
-    from lightning.pytorch import Callback
-
-    class Recorder(Callback):
-        def __init__(self) -> None:
-            self._times: list[float] = []
-            self._events: list[tuple[Any, Any]] = []
-            self._losses: list[torch.Tensor] = []
-            self.items, self.item_name = 0, "samples"
-            self._t0 = 0.0
-            self._start = None
-
-        @property
-        def times(self) -> list[float]:
-            if device_type == "cuda":  # read the events once, at the end: no host sync per step
-                torch.cuda.synchronize()
-                return [start.elapsed_time(end) / 1000 for start, end in self._events]
-            return self._times
-
-        @property
-        def losses(self) -> list[float]:
-            return [float(x) for x in torch.stack(self._losses).tolist()] if self._losses else []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            self.items, self.item_name = _count_items(batch)
-            if device_type == "cuda":
-                self._start = torch.cuda.Event(enable_timing=True)
-                self._start.record()
-            else:
-                self._t0 = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if device_type == "cuda":
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._events.append((self._start, end))
-            else:
-                self._times.append(time.perf_counter() - self._t0)
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            if isinstance(loss, torch.Tensor):
-                self._losses.append(loss.detach().float().reshape(()))
-
-    return Recorder()
-
-
 def run_mode(
     mode: str,
     make_module: Callable[[], Any],
@@ -292,280 +268,397 @@ def run_mode(
     progress: bool = True,
     warmup: Optional[int] = None,
 ) -> ModeResult:
-    """Train ``steps`` optimizer steps under ``MPPlugin(mode)``; any failure lands in the returned row.
+    """Train ``steps`` optimizer steps under ``MPPlugin(mode)`` alone; any failure lands in the returned row.
 
-    ``mode`` is spelt as :func:`parse_mode` accepts: ``"bf16-true:kahan"`` runs
-    ``MPPlugin("bf16-true", master_weights="kahan")``, and ``"lightning:<precision>"`` (e.g.
-    ``"lightning:bf16-mixed"``) runs Lightning's own precision plugin as a baseline. The step time is the median
-    after ``warmup`` steps (default: ``min(3, steps // 4)``).
+    The engine of ``compare`` with one participant: ``warmup`` untimed steps (default ``min(3, steps // 4)``), the
+    rest timed; ``step_ms`` is their median, ``step_iqr_ms`` their IQR, ``peak_mem_mib`` per mode as in ``compare``.
+    ``mode`` is spelt as :func:`parse_mode` accepts (``"lightning:<precision>"`` runs Lightning's own plugin).
     """
-    from lightning.pytorch import Trainer, seed_everything
-
-    from lightning_mp import MPPlugin, NonFiniteTrainingError
-
+    del progress  # a single mode shows no bar
     result = ModeResult(mode=mode)
-    native = mode.startswith("lightning:")
-    if not native:
+    if not mode.startswith("lightning:"):
         try:
             mode = parse_mode(mode)
         except ValueError as err:
             result.status, result.reason = "failed", str(err)
             return result
-    precision, master_weights = (None, None) if native else split_mode(mode)
-    why = None if native else _unsupported_reason(mode, device_type)
+    why = _unsupported_reason(mode, device_type)
     if why is not None:
         result.status, result.reason = "unsupported", why
         return result
-    plugin = None
-    memory = _PeakMemory(device_type)
-    recorder = _make_recorder(device_type)
-    try:
-        seed_everything(seed, verbose=False)
-        module = make_module()
-        if initial_state is not None:  # None: make_module builds the same weights every call itself
-            module.load_state_dict(initial_state)
-        precision_kwargs: dict[str, Any]
-        if native:
-            precision_kwargs = {"precision": mode.split(":", 1)[1]}
-        else:
-            plugin = MPPlugin(precision, master_weights=master_weights)
-            precision_kwargs = {"plugins": [plugin]}
-        trainer = Trainer(
-            accelerator="gpu" if device_type == "cuda" else "cpu",
-            devices=1,
-            **precision_kwargs,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_model_summary=False,
-            enable_progress_bar=progress,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
-            callbacks=[recorder],
-        )
-        result.lightning_precision = str(trainer.precision)
-        memory.reset()
-        seed_everything(seed, verbose=False)  # the same batches in every mode
-        if make_datamodule is not None:
-            trainer.fit(module, datamodule=make_datamodule())
-        else:
-            trainer.fit(module)
-        if plugin is not None:
-            stats = plugin.stats.as_dict()
-            result.skipped_steps, result.loss_scale, result.steps = stats["skipped_steps"], stats["loss_scale"], stats["steps"]
-        else:
-            result.steps = trainer.global_step
-            scaler = getattr(trainer.precision_plugin, "scaler", None)
-            result.loss_scale = float(scaler.get_scale()) if scaler is not None else None
-    except NonFiniteTrainingError as err:
-        result.status, result.reason = "diverged", str(err).split(". ")[0]
-    except torch.OutOfMemoryError:
-        result.status, result.reason = "failed", "out of memory"
-    except NotImplementedError as err:
-        result.status, result.reason = "unsupported", str(err)
-    except Exception as err:  # one mode's failure must not stop the others
-        result.status, result.reason = "failed", f"{type(err).__name__}: {err}"
-    finally:
-        result.peak_mem_mib = memory.peak_mib()
-        if device_type == "cuda":
-            torch.cuda.empty_cache()
-    result.losses = recorder.losses
-    times = recorder.times
-    skip = min(3, len(times) // 4) if warmup is None else min(warmup, max(0, len(times) - 1))
-    timed = times[skip:]  # warm-up excluded
-    if timed:
-        result.step_ms = 1000 * statistics.median(timed)
-        result.items_per_s = recorder.items / (result.step_ms / 1000)
-        result.item_name = recorder.item_name
-    finite = [x for x in result.losses if math.isfinite(x)]
-    if finite:
-        tail = finite[-max(1, min(10, len(finite) // 5)):]
-        result.final_loss = sum(tail) / len(tail)
-    if result.status == "ok" and result.losses and not math.isfinite(result.losses[-1]):
-        result.status, result.reason = "diverged", "the last loss is not finite"
-    return result
+    warm = min(3, steps // 4) if warmup is None else min(warmup, max(0, steps - 1))
+    job = Job(mode, mode, lambda: (make_module(), make_datamodule() if make_datamodule else None))
+    [out] = run_jobs([job], Schedule(steps, warm, 1), device_type, seed, initial_state, progress=False)
+    return out
 
 
-# --------------------------------------------------------------------------------------------- output
-def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"
+# --------------------------------------------------------------------------------------------- CLI
+DESCRIPTION = """\
+Which precision should this model use, and what does it cost? Trains the model under each precision mode for
+--steps steps, from the same weights and batches, the modes taking turns round by round, and prints a table
+(format | memory | speed | stability) and a recommendation with its confidence."""
+
+EPILOG = """\
+constructor and Trainer arguments (repeatable; values are YAML: 512, true, [1, 2], null; they override --config):
+  --model.NAME VALUE    an argument of the model's constructor, e.g. --model.width 512 (checked against the
+                        constructor; default: the class's own, or the built-in model's size for the device)
+  --data.NAME VALUE     an argument of the data module's constructor, e.g. --data.batch_size 64 (needs
+                        --datamodule or a data section in --config; default: the class's own)
+  --trainer.NAME VALUE  a Trainer argument of your setup, e.g. --trainer.accumulate_grad_batches 4 (kept:
+                        accumulate_grad_batches, gradient_clip_val, gradient_clip_algorithm, deterministic,
+                        benchmark, detect_anomaly, limit_train_batches, ...; the rest is reported as left out)
+
+exit status: 0 a recommendation was made; 1 no mode ran within the thresholds (or none ran); 2 bad input.
+"""
 
 
-def format_table(results: list[ModeResult]) -> str:
-    fp32 = next((r.step_ms for r in results if r.mode == "fp32" and r.step_ms), None)
-    bf16 = next((r.step_ms for r in results if r.mode == "bf16" and r.step_ms), None)
-    item = next((r.item_name for r in results if r.items_per_s), "samples")
-    lines = [
-        f"| mode | verdict | step ms | vs fp32 | vs bf16 | {item}/s | peak MiB | final loss | drift vs fp32 | skipped | loss scale | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        speed32 = fp32 / r.step_ms if fp32 and r.step_ms else None
-        speed16 = bf16 / r.step_ms if bf16 and r.step_ms else None
-        lines.append(
-            f"| {r.mode} | {r.status} | {_fmt(r.step_ms, '.1f')} | {_fmt(speed32, '.2f', 'x')} | {_fmt(speed16, '.2f', 'x')}"
-            f" | {_fmt(r.items_per_s, ',.0f')} | {_fmt(r.peak_mem_mib, ',.0f')} | {_fmt(r.final_loss, '.4f')}"
-            f" | {_fmt(None if r.loss_drift is None else 100 * r.loss_drift, '+.2f', ' %')}"
-            f" | {'—' if r.skipped_steps is None else r.skipped_steps} | {_fmt(r.loss_scale, 'g')}"
-            f" | {r.reason.replace('|', '/')[:160]} |"
-        )
-    return "\n".join(lines)
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``error: <flag>: <what is wrong>``, exit status 2."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        _fail(message)
 
 
-def write_plot(results: list[ModeResult], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as err:
-        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from err
-    ran = [r for r in results if r.step_ms is not None]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    names = [r.mode for r in ran]
-    axes[0].bar(names, [r.step_ms for r in ran], color="tab:blue")
-    axes[0].set_title("median step time (ms, lower is faster)")
-    axes[1].bar(names, [r.peak_mem_mib or 0 for r in ran], color="tab:orange")
-    axes[1].set_title("peak memory (MiB)")
-    for r in ran:
-        axes[2].plot(range(1, len(r.losses) + 1), r.losses, label=r.mode)
-    axes[2].set_title("training loss")
-    axes[2].set_xlabel("step")
-    axes[2].legend()
-    for ax in axes[:2]:
-        ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _fail(message: str) -> Any:
+    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    raise SystemExit(2)
 
 
-# --------------------------------------------------------------------------------------------- models
-BUILTIN_MODELS = {
-    "gpt-mini": "lightning_mp.demo:TinyByteLM",
-    # the repository's examples (run from the repository root)
-    "examples.gpt_mini": "examples.gpt_mini:GPTMini",
-    "examples.vlm_mini": "examples.vlm_mini:VLMMini",
-}
-BUILTIN_DATAMODULES = {
-    "examples.gpt_mini": "examples.gpt_mini:ByteTextDataModule",
-    "examples.vlm_mini": "examples.vlm_mini:DigitCaptionDataModule",
-}
-
-
-def load_class(spec: str) -> Callable[..., Any]:
-    """``"package.module:ClassName"`` (or a built-in name) to the class; a clear error otherwise."""
-    spec = BUILTIN_MODELS.get(spec, spec)
-    if ":" not in spec:
-        raise ValueError(
-            f"--model {spec!r}: use 'package.module:ClassName' or a built-in name ({', '.join(BUILTIN_MODELS)})."
-        )
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"--model {spec!r}: cannot import {module_name!r} ({err}).") from err
-    try:
-        return getattr(module, attr)
-    except AttributeError as err:
-        raise ValueError(f"--model {spec!r}: {module_name!r} has no {attr!r}.") from err
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m lightning_mp compare", description=DESCRIPTION,
+                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    what = p.add_argument_group("what to train")
+    what.add_argument("--model", default=None, metavar="SPEC",
+                      help="'package.module:ClassName' of a LightningModule, or a built-in name ("
+                           + ", ".join(BUILTIN_MODELS) + ") (default: gpt-mini, sized to the device: small on the"
+                           " CPU, width 2048 on a GPU with 40 GB or more; or the model's class_path in --config)")
+    what.add_argument("--model-args", default="{}", metavar="JSON",
+                      help="the model's constructor arguments as one JSON object, e.g. '{\"width\": 512}' (the older"
+                           " spelling of --model.NAME VALUE) (default: {})")
+    what.add_argument("--datamodule", default=None, metavar="SPEC",
+                      help="'package.module:ClassName' of a LightningDataModule (default: none, the model's"
+                           " train_dataloader; the built-in examples bring theirs)")
+    what.add_argument("--datamodule-args", default="{}", metavar="JSON",
+                      help="the data module's constructor arguments as one JSON object (default: {})")
+    what.add_argument("--config", default=None, metavar="YAML",
+                      help="a Lightning CLI config as 'python train.py fit --config' reads it (trainer, model, data,"
+                           " optimizer, lr_scheduler, seed_everything): the model and data are built from it, and"
+                           " its accumulation, clipping, batch size and MPPlugin settings are kept (default: none)")
+    how = p.add_argument_group("what to run")
+    how.add_argument("--modes", nargs="+", default=None, metavar="MODE",
+                     help="modes to run (default: every mode; those this hardware cannot run are reported as such);"
+                          " 'bf16-true:kahan' etc. pick the master weights of a true-half mode (fp32, kahan,"
+                          " stochastic, none); 'lightning:bf16-mixed' etc. add Lightning's own plugins as baselines")
+    how.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="N",
+                     help="optimizer steps per mode, warm-up included (default: %(default)s)")
+    how.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, metavar="N",
+                     help="untimed steps at the start of each mode (default: %(default)s)")
+    how.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="N",
+                     help="timed rounds; in each, every mode in turn runs (steps - warmup) / rounds steps"
+                          " (default: %(default)s)")
+    how.add_argument("--seed", type=int, default=None, metavar="N",
+                     help="seed of the initial weights and the batch order, the same in every mode (default: 0, or"
+                          " the config's seed_everything)")
+    how.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                     help="where to run: auto is cuda when a GPU is available, else cpu (default: %(default)s)")
+    how.add_argument("--no-batch-probe", action="store_true",
+                     help="skip the batch probe: one mode also run at half the batch, to tell a model too small"
+                          " for precision to matter (overhead- or launch-bound) (default: the probe runs when the"
+                          " model or data module has a batch_size)")
+    decide_group = p.add_argument_group("how to decide")
+    decide_group.add_argument("--drift-tolerance", type=float, default=DRIFT_TOLERANCE, metavar="F",
+                              help="a mode is unstable when its final loss is further than this share from fp32's"
+                                   " (default: %(default)s)")
+    decide_group.add_argument("--max-skip-rate", type=float, default=MAX_SKIP_RATE, metavar="F",
+                              help="a mode is unstable when more than this share of its steps were skipped"
+                                   " (default: %(default)s)")
+    decide_group.add_argument("--min-speedup", type=float, default=MIN_SPEEDUP, metavar="X",
+                              help="a less safe mode wins only when it is at least this many times faster, at the"
+                                   " lower end of its 95 %% interval; otherwise the modes tie and the safer one is"
+                                   " recommended (default: %(default)s)")
+    decide_group.add_argument("--min-headroom", type=float, default=MIN_HEADROOM, metavar="BITS",
+                              help="fp16 modes are unstable when fp32's activations come within 2**BITS of fp16's"
+                                   " largest value, 65504 (default: %(default)s)")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", default=None, metavar="PATH", help="also write the results to this JSON file"
+                                                                  " (default: none)")
+    out.add_argument("--plot", default=None, metavar="PATH",
+                     help="also draw step time, memory and loss curves into this PNG (needs matplotlib)"
+                          " (default: none)")
+    out.add_argument("--no-progress", action="store_true",
+                     help="no progress bar (default: a tqdm bar on stderr while the modes run, on a terminal)")
+    return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_mp compare", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="gpt-mini",
-                        help="'package.module:ClassName' of a LightningModule, or a built-in name (default: %(default)s)")
-    parser.add_argument("--model-args", default="{}", help="JSON object of keyword arguments for the model (default: {})")
-    parser.add_argument("--datamodule", default=None, help="'package.module:ClassName' of a LightningDataModule (optional)")
-    parser.add_argument("--datamodule-args", default="{}", help="JSON object of keyword arguments for the datamodule")
-    parser.add_argument("--modes", nargs="+", default=None,
-                        help="modes to run (default: every mode; ones this hardware cannot run are reported as such);"
-                             " 'bf16-true:kahan' etc. pick the master weights of a true-half mode"
-                             " (fp32, kahan, stochastic, none); 'lightning:bf16-mixed' etc. add Lightning's own"
-                             " plugins as baselines")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per mode (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--drift-tolerance", type=float, default=DRIFT_TOLERANCE)
-    parser.add_argument("--max-skip-rate", type=float, default=MAX_SKIP_RATE)
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--plot", default=None, help="also draw speed, memory and loss curves into this PNG")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error(f"--steps {args.steps}: use at least 1")
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
     try:
-        model_cls = load_class(args.model)
-        model_kwargs = json.loads(args.model_args)
-        datamodule = args.datamodule or BUILTIN_DATAMODULES.get(args.model)
-        dm_cls = load_class(datamodule) if datamodule else None
-        dm_kwargs = json.loads(args.datamodule_args)
-    except (ValueError, json.JSONDecodeError) as err:
-        parser.error(str(err))
+        return _main(args, extras)
+    except InputError as err:
+        _fail(str(err))
+    return 2  # pragma: no cover - _fail exits
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.steps < 1:
+        raise InputError("--steps", f"{args.steps}: use at least 1")
+    if args.warmup < 0:
+        raise InputError("--warmup", f"{args.warmup}: use 0 or more")
+    if args.rounds < 1:
+        raise InputError("--rounds", f"{args.rounds}: use at least 1")
+    if args.min_speedup < 1:
+        raise InputError("--min-speedup", f"{args.min_speedup}: use 1 or more (1.1: at least 10 % faster)")
+    for flag, value in (("--drift-tolerance", args.drift_tolerance), ("--max-skip-rate", args.max_skip_rate)):
+        if not value >= 0:
+            raise InputError(flag, f"{value}: use 0 or more")
+
+
+def _main(args: argparse.Namespace, extras: list[str]) -> int:
+    _check_numbers(args)
     device_type = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device_type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available here")
+        raise InputError("--device", "cuda: CUDA is not available here")
     try:
         modes = [parse_mode(m) for m in args.modes] if args.modes else default_modes(device_type)
     except ValueError as err:
-        parser.error(f"--modes: {err}")
-
+        raise InputError("--modes", str(err)) from None
+    modes = list(dict.fromkeys(modes))  # a mode named twice runs once
     quiet = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-            warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-            return _compare(args, parser, model_cls, model_kwargs, dm_cls, dm_kwargs, device_type, modes)
+            for message in (".*does not have many workers.*", ".*LeafSpec.*", ".*smaller than the logging interval.*",
+                            ".*max_epochs=-1.*", ".*LightningCLI's args parameter.*", ".*seed set to.*"):
+                warnings.filterwarnings("ignore", message=message)
+            from lightning_mp.compare_setup import make_spec
+
+            spec = make_spec(args.model, args.model_args, args.datamodule, args.datamodule_args, args.config, extras,
+                             device_type)
+            seed = args.seed if args.seed is not None else (spec.seed if spec.seed is not None else 0)
+            return _compare(args, spec, device_type, modes, seed)
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
 
 
-def _compare(args, parser, model_cls, model_kwargs, dm_cls, dm_kwargs, device_type, modes) -> int:
-
+def _first_model(spec: Any, seed: int) -> tuple[Any, Any]:
+    """Build the model once, in the main process: bad arguments fail here, as input errors."""
     from lightning.pytorch import seed_everything
+    from lightning.pytorch.utilities.model_helpers import is_overridden
 
-    seed_everything(args.seed, verbose=False)
-    initial_state = {k: v.clone() for k, v in model_cls(**model_kwargs).state_dict().items()}
-    device_name = torch.cuda.get_device_name() if device_type == "cuda" else f"CPU ({platform.processor() or platform.machine()})"
-    print(f"compare: {args.model} on {device_name}, {args.steps} steps per mode, modes: {', '.join(modes)}", flush=True)
+    seed_everything(seed, verbose=False)
+    try:
+        module, datamodule = spec.build()
+    except InputError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the user's constructor: its message, on one line
+        raise InputError(spec.flag, f"{spec.describe} failed: {type(err).__name__}: {err}") from None
+    if datamodule is None and not is_overridden("train_dataloader", module):
+        raise InputError("--model", f"{spec.name}: {type(module).__name__} has no train_dataloader(); give it one,"
+                                    " or pass --datamodule pkg.mod:DataModule (or a data section in --config)")
+    if datamodule is not None and not is_overridden("train_dataloader", datamodule):
+        raise InputError("--datamodule", f"{type(datamodule).__name__} has no train_dataloader()")
+    return module, datamodule
 
-    results = []
-    for i, mode in enumerate(modes, 1):
-        print(f"[{i}/{len(modes)}] {mode}", flush=True)
-        results.append(run_mode(
-            mode, lambda: model_cls(**model_kwargs), initial_state, args.steps, device_type, args.seed,
-            (lambda: dm_cls(**dm_kwargs)) if dm_cls else None, progress=not args.no_progress,
-        ))
-        print(f"      -> {results[-1].status}{': ' + results[-1].reason if results[-1].reason else ''}", flush=True)
-    assess(results, args.drift_tolerance, args.max_skip_rate)
-    best, why = choose(results, args.drift_tolerance, args.max_skip_rate)
+
+def _monitor_every(schedule: Schedule) -> int:
+    """PrecisionMonitor's logging interval; its steps are not timed. Three times in a run of 15 steps or more;
+    else once: at the end of the warm-up if it is longer than half the run, else at the last step."""
+    if schedule.steps >= 15:
+        return schedule.steps // 3
+    if schedule.warmup and 2 * schedule.warmup > schedule.steps:
+        return schedule.warmup
+    return schedule.steps
+
+
+def _device_name(device_type: str) -> str:
+    if device_type == "cuda":
+        return torch.cuda.get_device_name()
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"CPU ({name}, {torch.get_num_threads()} threads)"
+
+
+def _load() -> Optional[tuple[float, int]]:
+    try:
+        return os.getloadavg()[0], os.cpu_count() or 1
+    except (AttributeError, OSError):
+        return None
+
+
+def _compare(args: argparse.Namespace, spec: Any, device_type: str, modes: list[str], seed: int) -> int:
+    from lightning_mp import compare_report as report
+    from lightning_mp.compare_setup import find_batch_size, plugin_kwargs_for, set_batch_size
+    from lightning_mp.compare_stats import batch_probe
+
+    module, datamodule = _first_model(spec, seed)
+    initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    batch = find_batch_size(module, datamodule)
+    del module, datamodule
+
+    rows: dict[str, ModeResult] = {}
+    jobs: list[Job] = []
+    for mode in modes:
+        why = _unsupported_reason(mode, device_type)
+        if why is not None:
+            rows[mode] = ModeResult(mode=mode, status="unsupported", reason=why)
+        else:
+            jobs.append(Job(mode, mode, spec.build, plugin_kwargs=plugin_kwargs_for(mode, spec.plugin_kwargs)))
+    probe_job, probe_why = None, None
+    runnable = [j.mode for j in jobs if not j.mode.startswith("lightning:")]
+    if args.no_batch_probe:
+        probe_why = "off"
+    elif batch is None:
+        probe_why = "neither the model nor the data module has a batch_size to halve"
+    elif batch[1] < 2:
+        probe_why = f"the batch size is {batch[1]}"
+    elif not runnable:
+        probe_why = "no mode to probe"
+    else:
+        probe_mode = next((m for m in ("bf16", "fp32") if m in runnable), runnable[0])
+        small = batch[1] // 2
+        probe_job = Job(f"{probe_mode} @ batch {small}", probe_mode, spec.build, role="probe",
+                        adjust=lambda m, d: set_batch_size(m, d, small),
+                        plugin_kwargs=plugin_kwargs_for(probe_mode, spec.plugin_kwargs))
+        jobs.append(probe_job)
+
+    schedule = Schedule(args.steps, args.warmup, args.rounds)
+    per_round = schedule.per_round()
+    monitor_every = _monitor_every(schedule)
+    logged = [i for i in range(1, args.steps + 1) if i % monitor_every == 0]
+    device_name = _device_name(device_type)
+    k = f"{min(per_round)}" if min(per_round) == max(per_round) else f"{min(per_round)}-{max(per_round)}"
+    k += " timed step each" if k == "1" else " timed steps each"
+    print(f"compare: {spec.name} — {spec.describe}", flush=True)
+    print(report.wrap(
+        f"on {device_name} · torch {torch.__version__} · {len(jobs)} runs"
+        f" ({', '.join(j.label for j in jobs)}), {args.steps} steps each from the same weights and batches:"
+        f" {schedule.warmup} warm-up, then {len(per_round)} round{'s' if len(per_round) > 1 else ''} in which the"
+        f" runs take turns, {k};"
+        f" PrecisionMonitor gathers its per-layer figures on step{'s' if len(logged) > 1 else ''}"
+        f" {', '.join(map(str, logged))} (untimed)"), flush=True)
+    for note in spec.notes:
+        print(report.wrap(f"your setup: {note}", indent="    ", first="  "), flush=True)
+    load_before = _load()
+    started = time.perf_counter()
+    results = run_jobs(jobs, schedule, device_type, seed, initial_state, spec.trainer_kwargs, monitor_every,
+                       progress=False if args.no_progress else None)
+    elapsed = time.perf_counter() - started
+    load_after = _load()
+    probe_row = None
+    for job, result in zip(jobs, results):
+        if job is probe_job:
+            probe_row = result
+        else:
+            rows[job.mode] = result
+    ordered = [rows[m] for m in modes]
+
+    assess(ordered, args.drift_tolerance, args.max_skip_rate, args.min_headroom)
+    probe = None
+    if probe_job is not None and probe_row is not None:
+        base = rows[probe_job.mode]
+        if not (probe_row.ran and base.ran and probe_row.items_per_step and base.items_per_step):
+            probe_why = f"the probe run {probe_row.status}" + (f": {probe_row.reason}" if probe_row.reason else "")
+        elif probe_row.items_per_step * 1.5 > base.items_per_step:
+            probe_why = "setting batch_size did not change the batch the data loader gives"
+        else:
+            probe = batch_probe(probe_job.mode, batch[1], batch[1] // 2, base.round_ms, probe_row.round_ms,
+                                base.times_ms, probe_row.times_ms, base.item_name)
+            if probe.growth is None or math.isinf(probe.growth.hi):
+                probe, probe_why = None, "too few timed steps to tell (use more --steps)"
+    decision = decide_results(ordered, args.drift_tolerance, args.max_skip_rate, args.min_speedup)
+    reference = reference_row(ordered)
+    noisy = any(r.noisy for r in ordered if r.step_ms is not None)
+    load = max((x for x in (load_before, load_after) if x is not None), default=None, key=lambda x: x[0])
 
     print()
-    print(f"{args.model} | {device_name} | torch {torch.__version__} | {args.steps} steps per mode, median step time"
-          f" after warm-up | peak memory: {'CUDA max allocated' if device_type == 'cuda' else 'process peak RSS'}")
+    table, notes = report.format_table(ordered, reference.mode if reference else None, decision.mode)
+    items = next((r for r in ordered if r.items_per_step), None)
+    size = f"{items.items_per_step:,} {items.item_name} a step" if items else "steps"
+    print(f"{spec.name} on {device_name}: {size}, {elapsed:.0f} s for all runs")
     print()
-    print(format_table(results))
+    print(table)
+    if notes:
+        print("\nNotes:")
+        print(report.format_notes(notes))
     print()
-    print(recommendation_text(best, why))
+    print(report.legend(ordered, reference.mode if reference else None, device_type,
+                        max(1, min(10, args.steps // 5))))
+    print()
+    print(report.noise_text(ordered, load))
+    probe_line = report.probe_text(probe, probe_why, device_type)
+    if probe_line:
+        print(probe_line)
+    print()
+    if decision.mode is None:
+        ran = [r for r in ordered if r.ran]
+        why = ("no mode ran" if not ran else
+               "no mode ran within the thresholds; keep fp32 and look at the unstable rows")
+        print(report.recommendation_text(None, why))
+        code = 1
+    else:
+        best = rows[decision.mode]
+        print(report.recommendation_text(best, report.explain(decision, ordered, probe, noisy), decision.confidence))
+        code = 0
     if args.json:
-        payload = {
-            "meta": {"model": args.model, "device": device_name, "torch": torch.__version__, "steps": args.steps,
-                     "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "drift_tolerance": args.drift_tolerance,
-                     "max_skip_rate": args.max_skip_rate},
-            "results": [asdict(r) for r in results],
-            "recommendation": {"mode": best.mode if best else None, "reason": why},
-        }
-        with open(args.json, "w") as f:
-            json.dump(payload, f, indent=2)
+        _write_json(args, spec, device_name, ordered, decision, probe, probe_row, probe_why, schedule, noisy, load,
+                    elapsed, seed)
         print(f"wrote {args.json}")
     if args.plot:
-        write_plot(results, args.plot)
+        report.write_plot(ordered, args.plot)
         print(f"wrote {args.plot}")
-    return 0
+    return code
+
+
+def _write_json(args, spec, device_name, results, decision, probe, probe_row, probe_why, schedule, noisy, load,
+                elapsed, seed) -> None:
+    payload = {
+        "meta": {"model": spec.name, "model_call": spec.describe, "device": device_name, "torch": torch.__version__,
+                 "steps": schedule.steps, "warmup": schedule.warmup, "rounds": schedule.rounds,
+                 "steps_per_round": schedule.per_round(), "seed": seed, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "drift_tolerance": args.drift_tolerance, "max_skip_rate": args.max_skip_rate,
+                 "min_speedup": args.min_speedup, "min_headroom": args.min_headroom,
+                 "trainer_kwargs": {k: repr(v) for k, v in spec.trainer_kwargs.items()},
+                 "plugin_kwargs": {k: repr(v) for k, v in spec.plugin_kwargs.items()}, "config_notes": spec.notes,
+                 "noisy": noisy, "load_average": load[0] if load else None, "cpus": load[1] if load else None,
+                 "seconds": elapsed},
+        "results": [_jsonable(asdict(r)) for r in results],
+        "probe": None if probe is None else {
+            "mode": probe.mode, "batch": probe.batch, "probe_batch": probe.probe_batch,
+            "growth": None if probe.growth is None else asdict(probe.growth), "math_share": probe.math_share,
+            "overhead_bound": probe.overhead_bound, "batch_to_matter": probe.batch_to_matter,
+            "run": _jsonable(asdict(probe_row)) if probe_row is not None else None},
+        "probe_skipped": probe_why if probe is None else None,
+        "decision": {"mode": decision.mode, "confidence": decision.confidence, "fastest": decision.fastest,
+                     "tied": decision.tied, "beaten": decision.beaten, "min_speedup": decision.min_speedup,
+                     "vs_fastest": {k: asdict(v) for k, v in decision.vs_fastest.items()},
+                     "vs_pick": {k: asdict(v) for k, v in decision.vs_pick.items()}},
+        "recommendation": {"mode": decision.mode, "confidence": decision.confidence},
+    }
+    with open(args.json, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# names kept for earlier callers
+__all__ = ["ModeResult", "assess", "candidates", "choose", "decide_results", "main", "parse_mode", "run_mode",
+           "split_mode", "recommendation_text", "load_class", "default_modes", "_count_items", "_PeakMemory"]
 
 
 if __name__ == "__main__":

@@ -41,8 +41,11 @@ _INT64_MAX = torch.iinfo(torch.int64).max  # the skip counters are int64
 _COUNTERS = ("steps", "skipped_steps", "consecutive_skips", "last_skipped")
 #: up to this many gradient elements on a device, the check-only pass is torch's fused check-and-unscale kernel with
 #: a scale of 1 (one launch, and it rewrites each gradient with itself); above it, the read-only inf-norm pass,
-#: which reads the gradients without writing them (half the memory traffic: what counts on large models)
-FUSED_CHECK_MAX_NUMEL = 1 << 22
+#: which reads the gradients without writing them (half the memory traffic: what counts on large models, whose
+#: step is bound by the GPU; above this size their check runs during backward, see lightning_mp.overlap). Below it
+#: a step is mostly bound by the host, where one launch beats five and a stack of every gradient's maximum
+#: (measured on a 46 M-parameter GPT on an H100: benchmarks/RESULTS.md)
+FUSED_CHECK_MAX_NUMEL = 1 << 27
 _ONES: dict[torch.device, torch.Tensor] = {}
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections import deque
+from typing import Any, Callable, Optional, Union
 
 from torch import Tensor
 
@@ -11,6 +12,10 @@ from lightning_mp._host import HostCopy
 
 class NonFiniteTrainingError(RuntimeError):
     """Raised when too many optimizer steps in a row had inf/NaN gradients and were skipped."""
+
+
+#: device verdicts on their way to the host before recording another waits for the oldest (long landed by then)
+_MAX_PENDING = 8
 
 
 class OptimizerStats:
@@ -26,16 +31,21 @@ class OptimizerStats:
         self._skipped_steps = 0
         self._consecutive = 0
         self._last = False
-        self._pending = HostCopy()  # a device verdict on its way to the host
-        self._has_pending = False
+        # outcomes on their way to the host, oldest first: host copies of device verdicts, or the host's answers
+        # that came after one (the order of the steps is kept); the host never waits for one to record the next
+        self._pending: deque[Union[HostCopy, bool]] = deque()
+        self._pool: list[HostCopy] = []  # landed copies, reused (each holds a pinned buffer and an event)
 
     def record(self, skipped: Optional[bool], verdict: Optional[Tensor]) -> None:
         """One step ran: ``skipped`` when the host knows, else ``verdict`` (a device flag, non-zero: skipped)."""
-        self._settle()
+        self._settle(wait=len(self._pending) >= _MAX_PENDING)
         self.steps += 1
         if skipped is None and verdict is not None:
-            self._pending.start(verdict.reshape(()).ne(0))
-            self._has_pending = True
+            copy = self._pool.pop() if self._pool else HostCopy()
+            copy.start(verdict)
+            self._pending.append(copy)
+        elif self._pending:
+            self._pending.append(bool(skipped))
         else:
             self._apply(bool(skipped))
 
@@ -44,24 +54,30 @@ class OptimizerStats:
         self._skipped_steps += int(skipped)
         self._consecutive = self._consecutive + 1 if skipped else 0
 
-    def _settle(self) -> None:
-        if self._has_pending:
-            self._has_pending = False
-            self._apply(bool(self._pending.value()))
+    def _settle(self, wait: bool = True) -> None:
+        """Take the outcomes that have reached the host (``wait``: all of them, waiting for the copies)."""
+        pending = self._pending
+        while pending:
+            item = pending[0]
+            if isinstance(item, bool):
+                self._apply(item)
+            else:
+                if not wait and not item.ready():
+                    return
+                self._apply(bool(item.value() != 0))
+                self._pool.append(item)
+            pending.popleft()
 
     def consecutive_known(self) -> Optional[int]:
-        """Skips in a row as far as the host knows without waiting (``None``: the last verdict is still on its way)."""
-        if self._has_pending and not self._pending.ready():
-            return None
-        self._settle()
+        """Skips in a row up to the last step whose outcome has reached the host, without waiting (device verdicts
+        arrive a step or a few late: the divergence stop may fire that much later)."""
+        self._settle(wait=False)
         return self._consecutive
 
     def last_skipped_known(self) -> Optional[bool]:
         """Whether the last step was skipped, if the host knows without waiting (``None``: not yet)."""
-        if self._has_pending and not self._pending.ready():
-            return None
-        self._settle()
-        return self._last
+        self._settle(wait=False)
+        return None if self._pending else self._last
 
     @property
     def skipped_steps(self) -> int:
@@ -89,7 +105,7 @@ class OptimizerStats:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"The checkpoint's step counter {key}={value!r} is corrupted: it must be an integer >= 0.")
             values[key] = value
-        self._has_pending = False
+        self._pending.clear()
         self.steps, self._skipped_steps, self._consecutive = values["steps"], values["skipped_steps"], values["consecutive_skips"]
         self._last = self._consecutive > 0
 

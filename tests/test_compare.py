@@ -1,4 +1,8 @@
-"""`python -m lightning_mp compare`: the table, JSON, PNG, failure rows and the recommendation."""
+"""`python -m lightning_mp compare`: the table, JSON, PNG, failure rows and the recommendation.
+
+More in test_compare_stats.py (the decision rule on synthetic timings) and test_compare_cli.py (flags, errors,
+--config, memory, the batch probe, interleaving).
+"""
 
 import json
 
@@ -20,12 +24,13 @@ class FailsUnderAutocast(TinyRegressor):
         return super().training_step(batch, batch_idx)
 
 
-def row(mode, step_ms, drift=0.0, skipped=0, steps=100, status="ok"):
+def row(mode, step_ms, drift=0.0, skipped=0, steps=100, status="ok", round_ms=None):
     return ModeResult(mode=mode, status=status, step_ms=step_ms, loss_drift=drift, skipped_steps=skipped, steps=steps,
-                      final_loss=1.0)
+                      final_loss=1.0, round_ms=round_ms or [], times_ms=round_ms or [])
 
 
 def test_chooser_picks_the_fastest_mode_within_thresholds():
+    # single figures without spread are taken as exact: the fastest qualifying mode clearly wins
     results = [
         row("fp32", 100.0),
         row("bf16", 40.0, drift=0.01),
@@ -46,6 +51,17 @@ def test_chooser_picks_the_fastest_mode_within_thresholds():
     assert 'Trainer(plugins=[MPPlugin("bf16")])' in text and "precision: bf16" in text
 
 
+def test_chooser_calls_a_difference_within_noise_a_tie_for_the_safer_mode():
+    fp32 = [100, 120, 95, 130, 98, 110, 105, 125]
+    bf16 = [96, 131, 90, 118, 101, 104, 99, 127]  # ~3 % faster, well inside the round-to-round noise
+    best, why = choose([row("fp32", 106, round_ms=fp32), row("bf16", 102, round_ms=bf16)])
+    assert best.mode == "fp32"
+    assert "No mode is measurably faster than fp32" in why and "the tie goes to fp32" in why
+    fast = [x * 0.6 for x in fp32]  # 1.67x in every round: a clear margin
+    best, why = choose([row("fp32", 106, round_ms=fp32), row("bf16", 64, round_ms=fast)])
+    assert best.mode == "bf16" and "1.67x the speed of fp32" in why and "95% interval" in why
+
+
 def test_assess_measures_drift_against_fp32_and_marks_unstable():
     results = [ModeResult("fp32", final_loss=2.0, steps=10, skipped_steps=0),
                ModeResult("bf16", final_loss=2.02, steps=10, skipped_steps=0),
@@ -56,21 +72,40 @@ def test_assess_measures_drift_against_fp32_and_marks_unstable():
     assert "+25.0% from fp32" in results[2].reason and "3/10 steps skipped" in results[2].reason
 
 
+def test_assess_flags_fp16_when_fp32_activations_lack_headroom():
+    results = [ModeResult("fp32", final_loss=2.0, steps=10, skipped_steps=0, act_headroom_bits=0.4, act_absmax=5e4,
+                          act_layer="blocks.0.linear2"),
+               ModeResult("bf16", final_loss=2.0, steps=10, skipped_steps=0),
+               ModeResult("fp16", final_loss=2.0, steps=10, skipped_steps=0)]
+    assess(results, min_headroom=1.0)
+    assert [r.status for r in results] == ["ok", "ok", "unstable"]
+    assert "fp16 is unsafe for this model" in results[2].reason and "blocks.0.linear2" in results[2].reason
+    results[2].status, results[0].act_headroom_bits = "ok", 6.0
+    assess(results, min_headroom=1.0)
+    assert results[2].status == "ok"
+
+
 def test_compare_end_to_end(tmp_path, capsys):
     out_json, out_png = tmp_path / "c.json", tmp_path / "c.png"
-    code = main(["--model-args", TINY_LM, "--modes", "fp32", "bf16", "fp8", "--steps", "6", "--no-progress",
-                 "--json", str(out_json), "--plot", str(out_png)])
+    code = main(["--model-args", TINY_LM, "--modes", "fp32", "bf16", "fp8", "--steps", "8", "--warmup", "2",
+                 "--rounds", "3", "--no-progress", "--json", str(out_json), "--plot", str(out_png)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "| mode | verdict | step ms | vs fp32 | vs bf16 | tokens/s |" in printed
-    assert "Recommendation:" in printed and "class_path: lightning_mp.MPPlugin" in printed
+    assert "| format | memory | speed | stability |" in printed
+    assert "Recommendation:" in printed and "(confidence: " in printed
+    assert "class_path: lightning_mp.MPPlugin" in printed
+    assert "Timing: " in printed and "Size: " in printed
     data = json.loads(out_json.read_text())
     rows = {r["mode"]: r for r in data["results"]}
-    assert rows["fp32"]["status"] in ("ok", "unstable") and rows["fp32"]["steps"] == 6
+    assert rows["fp32"]["status"] in ("ok", "unstable") and rows["fp32"]["steps"] == 8
     assert rows["bf16"]["step_ms"] > 0 and rows["bf16"]["loss_drift"] is not None
-    assert len(rows["bf16"]["losses"]) == 6
+    assert len(rows["bf16"]["round_ms"]) == 3 and len(rows["bf16"]["times_ms"]) >= 3
+    assert rows["bf16"]["memory_kind"] == "estimate" and rows["bf16"]["mem_share"] > 0
+    assert rows["fp32"]["act_headroom_bits"] > 0 and rows["fp32"]["act_layer"]
+    assert len(rows["bf16"]["losses"]) == 8
     assert rows["fp8"]["status"] == "unsupported"
     assert data["recommendation"]["mode"] in ("fp32", "bf16")
+    assert data["meta"]["steps_per_round"] == [2, 2, 2] and data["probe"]["batch"] == 4
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -79,25 +114,30 @@ def test_a_failing_mode_is_reported_and_the_others_run(capsys):
                  "--no-progress"]) == 0
     printed = capsys.readouterr().out
     bf16_row = next(line for line in printed.splitlines() if line.startswith("| bf16 |"))
-    fp32_row = next(line for line in printed.splitlines() if line.startswith("| fp32 |"))
-    assert "| failed |" in bf16_row and "does not support autocast" in bf16_row
-    assert "| ok |" in fp32_row
+    fp32_row = next(line for line in printed.splitlines() if line.startswith("| fp32 (recommended) |"))
+    assert "| failed (note 1) |" in bf16_row
+    assert " 1. bf16 failed: RuntimeError: this model does not support autocast." in printed
+    assert "| ok · reference" in fp32_row
     assert "Recommendation: fp32" in printed
 
 
 def test_bad_arguments_are_clear(capsys):
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:
         main(["--model", "nowhere"])
-    assert "use 'package.module:ClassName'" in capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --model: 'nowhere': use 'package.module:ClassName'")
     with pytest.raises(SystemExit):
         main(["--modes", "fp12"])
-    assert "Unknown precision 'fp12'" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("error: --modes: Unknown precision 'fp12'")
 
 
 def test_lightning_native_baseline_row(capsys):
-    assert main(["--model-args", TINY_LM, "--modes", "fp32", "lightning:bf16-mixed", "--steps", "4", "--no-progress"]) == 0
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| lightning:bf16-mixed |"))
-    assert "| ok |" in line
+    assert main(["--model-args", TINY_LM, "--modes", "fp32", "lightning:bf16-mixed", "--steps", "4", "--no-progress",
+                 "--no-batch-probe"]) == 0
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("| lightning:bf16-mixed |"))
+    assert "| ok · drift" in line
+    assert "Recommendation: fp32" in printed  # a baseline is never the advice
 
 
 def test_mode_spelling_with_master_weights():
@@ -129,18 +169,18 @@ def test_master_weight_modes_reach_the_plugin(monkeypatch, capsys):
 
     monkeypatch.setattr(lightning_mp, "MPPlugin", Recording)
     assert main(["--model-args", TINY_LM, "--modes", "bf16-true", "bf16-true:kahan", "bf16-true:stochastic",
-                 "bf16-true:none", "--steps", "3", "--no-progress"]) == 0
+                 "bf16-true:none", "--steps", "3", "--no-progress", "--no-batch-probe"]) == 0
     assert seen == [("bf16-true", None), ("bf16-true", "kahan"), ("bf16-true", "stochastic"), ("bf16-true", "none")]
     printed = capsys.readouterr().out
     for mode in ("bf16-true", "bf16-true:kahan", "bf16-true:stochastic", "bf16-true:none"):
-        line = next(x for x in printed.splitlines() if x.startswith(f"| {mode} |"))
-        assert "| ok |" in line or "| unstable |" in line
+        line = next(x for x in printed.splitlines() if x.startswith(f"| {mode} |") or x.startswith(f"| {mode} ("))
+        assert "| ok" in line or "| unstable" in line
 
 
 def test_master_weight_mode_errors_and_recommendation(capsys):
     with pytest.raises(SystemExit):
         main(["--modes", "bf16-true:kahn"])
-    assert "--modes: mode 'bf16-true:kahn': unknown master-weight option 'kahn'" in capsys.readouterr().err
+    assert "error: --modes: mode 'bf16-true:kahn': unknown master-weight option 'kahn'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--modes", "fp16:none"])
     assert "applies to half-precision weights only" in capsys.readouterr().err

@@ -1,0 +1,299 @@
+"""What ``python -m lightning_mp compare`` prints: the table (format | memory | speed | stability), the notes under
+it, the verdicts on noise and size, the recommendation with its confidence, and the JSON and PNG files.
+
+Long texts (a mode's failure, unsupported hardware) never sit in a table cell: the cell names a numbered note and
+the note, below the table, is wrapped at word boundaries, never cut.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from typing import Any, Optional, Sequence
+
+from lightning_mp.compare_engine import ModeResult
+from lightning_mp.compare_stats import Decision, Probe
+
+WIDTH = 118
+FP16_MAX = 65504.0
+
+
+def wrap(text: str, indent: str = "", first: Optional[str] = None) -> str:
+    """``text`` wrapped at word boundaries (never inside a word, never cut)."""
+    return textwrap.fill(text, width=WIDTH, initial_indent=indent if first is None else first,
+                         subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
+def fmt_ms(ms: Optional[float]) -> str:
+    if ms is None:
+        return "—"
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
+def fmt_mib(mib: Optional[float]) -> str:
+    if mib is None:
+        return "—"
+    if mib >= 10240:
+        return f"{mib / 1024:.1f} GiB"
+    if mib < 1:
+        return f"{mib * 1024:.0f} KiB"
+    return f"{mib:,.0f} MiB" if mib >= 100 else f"{mib:.1f} MiB"
+
+
+def _speed_cell(r: ModeResult, is_reference: bool) -> str:
+    if r.step_ms is None:
+        return "—"
+    cell = f"{fmt_ms(r.step_ms)} ms (IQR {fmt_ms(r.step_iqr_ms)})"
+    if is_reference:
+        return cell + " · 1.00x"
+    if r.speedup is not None:
+        cell += f" · {r.speedup:.2f}x"
+        if r.speedup_hi is not None and math.isinf(r.speedup_hi):
+            cell += " [too few steps]"
+        elif r.speedup_lo is not None and r.speedup_hi is not None and r.speedup_hi > r.speedup_lo:
+            cell += f" [{r.speedup_lo:.2f}–{r.speedup_hi:.2f}]"
+    return cell
+
+
+def _memory_cell(r: ModeResult) -> str:
+    if r.peak_mem_mib is None:
+        return "—" if not r.ran else "n/a"
+    cell = fmt_mib(r.peak_mem_mib) + (" est." if r.memory_kind == "estimate" else "")
+    if r.mem_share is not None:
+        cell += f" · {100 * r.mem_share:.0f} %"
+    return cell
+
+
+def headroom_text(bits: Optional[float]) -> str:
+    if bits is None:
+        return "—"
+    if math.isinf(bits):
+        return "∞" if bits > 0 else "overflow"
+    return f"{bits:.1f} b"
+
+
+def _stability_cell(r: ModeResult, is_reference: bool, note: Optional[int]) -> str:
+    if not r.ran:
+        return f"{r.status} (note {note})" if note else r.status
+    parts = [r.status if note is None else f"{r.status} (note {note})"]
+    if is_reference:
+        parts.append("reference")
+    elif r.loss_drift is not None:
+        parts.append(f"drift {100 * r.loss_drift:+.2f} %")
+    if r.skipped_steps is not None:
+        parts.append(f"skipped {r.skipped_steps}/{r.steps}")
+    if r.act_headroom_bits is not None or r.grad_headroom_bits is not None:
+        parts.append(f"fp16 headroom act {headroom_text(r.act_headroom_bits)},"
+                     f" grad {headroom_text(r.grad_headroom_bits)}")
+    if r.loss_scale is not None:
+        parts.append(f"loss scale {r.loss_scale:g}")
+    return " · ".join(parts)
+
+
+def format_table(results: Sequence[ModeResult], reference: Optional[str] = None,
+                 pick: Optional[str] = None) -> tuple[str, list[str]]:
+    """The markdown table and its numbered notes (full texts, to print wrapped under it)."""
+    notes: list[str] = []
+    lines = ["| format | memory | speed | stability |", "|---|---|---|---|"]
+    for r in results:
+        note = None
+        if r.reason:
+            notes.append(f"{r.mode} {r.status}: {r.reason.rstrip('.')}.")
+            note = len(notes)
+        name = r.mode + (" (recommended)" if r.mode == pick else "")
+        is_ref = r.mode == reference
+        lines.append(f"| {name} | {_memory_cell(r)} | {_speed_cell(r, is_ref)} | {_stability_cell(r, is_ref, note)} |")
+    return "\n".join(lines), notes
+
+
+def format_notes(notes: Sequence[str]) -> str:
+    if not notes:
+        return ""
+    return "\n".join(wrap(text, indent="    ", first=f"{i:>2}. ") for i, text in enumerate(notes, 1))
+
+
+def legend(results: Sequence[ModeResult], reference: Optional[str], device_type: str, drift_tail: int) -> str:
+    ref = reference or "the reference"
+    tail = "the last step's loss" if drift_tail == 1 else f"mean of the last {drift_tail} steps"
+    memory = ("peak CUDA memory allocated by the mode (torch.cuda.max_memory_allocated, reset per mode), and its"
+              f" share of {ref}'s" if device_type == "cuda" else
+              "estimated per mode on the CPU: weights, gradients, optimizer state and master copies, plus every"
+              " tensor saved for backward in one step (the process's RSS is not per mode), and its share of"
+              f" {ref}'s")
+    return "\n".join([
+        wrap(f"memory: {memory}.", indent="  "),
+        wrap(f"speed: median step time over the timed steps (IQR); speed-up over {ref}: the median of the"
+             " per-round ratios, with its 95% bootstrap interval in brackets.", indent="  "),
+        wrap(f"stability: final loss ({tail}) against {ref}'s; skipped steps; fp16"
+             " headroom: log2(65504 / largest |value|) over the layers' outputs and gradients (PrecisionMonitor),"
+             " bits left before fp16 overflows (0 or less: it does).", indent="  "),
+    ])
+
+
+def noise_text(results: Sequence[ModeResult], load: Optional[tuple[float, int]]) -> str:
+    timed = [r for r in results if r.step_ms and r.step_iqr_ms is not None and not r.mode.startswith("lightning:")]
+    if not timed:
+        return "Timing: no mode was timed."
+    worst = max(timed, key=lambda r: r.step_iqr_ms / r.step_ms)
+    rel = worst.step_iqr_ms / worst.step_ms
+    busy = f"; load average {load[0]:.1f} on {load[1]} CPUs" if load is not None else ""
+    if any(r.noisy for r in timed):
+        return wrap(f"Timing: noisy — the IQR reached {100 * rel:.0f}% of the median step ({worst.mode}){busy}."
+                    " Paired rounds cancel most of it; what they cannot, widens the intervals, and a close call"
+                    " counts as a tie (which goes to the safer mode).")
+    return wrap(f"Timing: steady — every IQR within {100 * rel:.0f}% of the median step{busy}.")
+
+
+def probe_text(probe: Optional[Probe], why_not: Optional[str], device_type: str) -> str:
+    if probe is None or probe.math_share is None:
+        return wrap(f"Size: not checked ({why_not or 'no probe run'}).") if why_not != "off" else ""
+    share, growth = probe.math_share, probe.growth
+    interval = f" [{growth.lo:.2f}–{growth.hi:.2f}]" if growth.hi > growth.lo else ""
+    what = (f"the {probe.mode} step at batch {probe.batch} takes {growth.median:.2f}x{interval} the time of batch"
+            f" {probe.probe_batch}: about {100 * share:.0f}% of it grows with the batch (the math) and"
+            f" {100 * (1 - share):.0f}% is fixed")
+    if not probe.overhead_bound:
+        return wrap(f"Size: {what}, so the step is compute-bound and precision can matter.")
+    bound = "launch-bound" if device_type == "cuda" else "overhead-bound"
+    overhead = ("kernel launches, Python, optimizer bookkeeping" if device_type == "cuda" else
+                "framework and Python overhead")
+    at = probe.batch_to_matter
+    later = (f"at a batch of about {at} or more (or a wider model) the math outweighs the overhead and precision"
+             " starts to matter: rerun compare there" if at else
+             "even at 64 times the batch the math would not outweigh it: only a much larger model would change that")
+    return wrap(f"Size: {bound} — {what} ({overhead}). This model is too small for precision to matter on this"
+                f" device; {later}.")
+
+
+def recommendation_text(best: Optional[ModeResult], reason: str, confidence: Optional[str] = None) -> str:
+    """The recommendation, its reason, and the lines to paste (Python and YAML)."""
+    if best is None:
+        return wrap(f"Recommendation: none — {reason}.")
+    from lightning_mp.compare import split_mode
+
+    precision, master = split_mode(best.mode)
+    master_arg = "" if master is None else f', master_weights="{master}"'
+    head = f"Recommendation: {best.mode}" + (f" (confidence: {confidence})" if confidence else "")
+    return (
+        f"{head}\n{wrap(reason.rstrip('.') + '.', indent='  ')}\n\n"
+        f'    Trainer(plugins=[MPPlugin("{precision}"{master_arg})])\n\n'
+        "    trainer:\n"
+        "      plugins:\n"
+        "        - class_path: lightning_mp.MPPlugin\n"
+        "          init_args:\n"
+        f"            precision: {precision}\n"
+        + ("" if master is None else f"            master_weights: {master}\n")
+    )
+
+
+def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[Probe], noisy: bool) -> str:
+    """Why the decision picked its mode, in sentences."""
+    rows = {r.mode: r for r in results}
+    pick, fastest = decision.mode, decision.fastest
+    need = f"{decision.min_speedup:.2f}x"
+    safest = min(decision.tied + decision.beaten, key=_rank)
+    out = []
+    if pick == safest and pick == fastest:
+        others = [m for m in decision.tied if m != pick]
+        if others:
+            each = "; ".join(f"{m} {_inverse(decision.vs_fastest[m])}" for m in others)
+            out.append(f"No mode is measurably faster than {pick}, the numerically safest: {_join(others)}"
+                       f" {'ties' if len(others) == 1 else 'tie'} with it within noise ({each}).")
+        elif decision.beaten:
+            gap = min(decision.vs_fastest[m].lo for m in decision.beaten)
+            out.append(f"{pick} is the fastest mode here and the numerically safest: every other mode is at least"
+                       f" {gap:.2f}x slower (lower end of the 95% interval).")
+        else:
+            out.append(f"{pick} is the only mode that qualified.")
+    elif pick == safest:
+        lead = decision.vs_fastest[pick]
+        out.append(f"No mode is measurably faster than {pick}. The fastest, {fastest}, is {_x(lead)} its speed"
+                   f" ({_interval(lead)}); a less safe mode must gain at least {need} with 95% confidence, so the"
+                   f" modes tie and the tie goes to {pick}, the numerically safest.")
+    else:
+        gain = decision.vs_pick[safest]
+        beyond = f", beyond the {need} a less safe mode must gain" if gain.lo >= decision.min_speedup else ""
+        out.append(f"{pick} is {_x(gain)} the speed of {safest} ({_interval(gain)}){beyond}.")
+        if pick != fastest:
+            lead = decision.vs_fastest[pick]
+            out.append(f"The fastest, {fastest}, is {_x(lead)} {pick}'s speed ({_interval(lead)}): within noise,"
+                       f" so they tie and {pick}, the numerically safer, is recommended.")
+    if pick == safest and probe is not None and probe.overhead_bound:
+        out.append("The step is mostly fixed overhead (see Size above): no precision can speed it up much, so"
+                   f" {pick} costs nothing here.")
+    also = [m for m in decision.tied if m not in (pick, fastest)] if pick != fastest else []
+    if also:
+        out.append(f"{_join(also)} {'ties' if len(also) == 1 else 'tie'} with the fastest too.")
+    pick_row = rows.get(pick)
+    lighter = [rows[m] for m in decision.tied if m != pick and m in rows and _lighter(rows[m], pick_row)]
+    if lighter:
+        best = min(lighter, key=lambda r: r.peak_mem_mib)
+        saved = 100 * (1 - best.peak_mem_mib / pick_row.peak_mem_mib)
+        out.append(f"{best.mode} is as fast within noise and needs {saved:.0f}% less memory: use it if memory is what"
+                   " limits you.")
+    if decision.confidence == "low":
+        out.append("Confidence is low: " + ("the timings were noisy; " if noisy else "")
+                   + "rerun on a quiet machine, or with more --steps and --rounds, for a sharper answer.")
+    return " ".join(out)
+
+
+def _x(ratio: Any) -> str:
+    return f"{ratio.median:.2f}x"
+
+
+def _inverse(ratio: Any) -> str:
+    """``time(mode) / time(fastest)`` as the mode's speed relative to the fastest, with its interval."""
+    if math.isinf(ratio.hi) or ratio.lo <= 0:
+        return f"{1 / ratio.median:.2f}x, too few timed steps for an interval"
+    return f"{1 / ratio.median:.2f}x, 95% interval {1 / ratio.hi:.2f}x–{1 / ratio.lo:.2f}x"
+
+
+def _interval(ratio: Any) -> str:
+    if math.isinf(ratio.hi):
+        return f"too few timed steps ({ratio.n}) for an interval"
+    where = f"{ratio.n} paired rounds" if ratio.paired else f"{ratio.n} steps"
+    return f"95% interval {ratio.lo:.2f}x–{ratio.hi:.2f}x over {where}"
+
+
+def _join(names: Sequence[str]) -> str:
+    names = list(names)
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _rank(mode: str) -> tuple[int, int]:
+    from lightning_mp.compare_stats import safety_rank
+
+    return safety_rank(mode)
+
+
+def _lighter(r: ModeResult, pick: Optional[ModeResult]) -> bool:
+    return (pick is not None and r.peak_mem_mib is not None and pick.peak_mem_mib is not None
+            and r.memory_kind == pick.memory_kind and r.peak_mem_mib < 0.9 * pick.peak_mem_mib)
+
+
+def write_plot(results: Sequence[ModeResult], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from err
+    ran = [r for r in results if r.step_ms is not None]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = [r.mode for r in ran]
+    axes[0].bar(names, [r.step_ms for r in ran], yerr=[(r.step_iqr_ms or 0) / 2 for r in ran], color="tab:blue",
+                capsize=3)
+    axes[0].set_title("median step time (ms, IQR bars; lower is faster)")
+    axes[1].bar(names, [r.peak_mem_mib or 0 for r in ran], color="tab:orange")
+    axes[1].set_title("peak memory (MiB)")
+    for r in ran:
+        axes[2].plot(range(1, len(r.losses) + 1), r.losses, label=r.mode)
+    axes[2].set_title("training loss")
+    axes[2].set_xlabel("step")
+    axes[2].legend()
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
