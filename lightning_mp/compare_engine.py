@@ -156,6 +156,10 @@ class _CudaMemory:
         self.resident = 0
         self.peak = 0
         self._start = 0
+        #: set at the end of the mode's warm-up: the bytes of its own tensors, which become its resident bytes (what
+        #: the first CUDA work of the process allocates once, e.g. library workspaces, is nobody's), and the peaks
+        #: of the warm-up are dropped
+        self.rebase_to: Optional[int] = None
 
     def begin(self) -> None:
         torch.cuda.synchronize()
@@ -167,6 +171,28 @@ class _CudaMemory:
         now, top = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
         self.peak = max(self.peak, self.resident + top - self._start)
         self.resident += now - self._start
+        if self.rebase_to is not None:
+            self.resident, self.peak, self.rebase_to = self.rebase_to, 0, None
+
+
+def _own_cuda_bytes(module: torch.nn.Module, optimizers: list, plugin: Any) -> int:
+    """Bytes of the CUDA tensors a mode holds between steps: weights, gradients, buffers, optimizer state, masters."""
+    seen: set = set()
+    total = 0
+    tensors: list[Any] = [*module.parameters(), *(p.grad for p in module.parameters()), *module.buffers()]
+    for opt in optimizers:
+        for state in getattr(opt, "state", {}).values():
+            tensors.extend(state.values() if isinstance(state, dict) else ())
+    masters = getattr(plugin, "masters", None)
+    if masters is not None and hasattr(masters, "tensors"):
+        tensors.extend(masters.tensors())
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.is_cuda:
+            key = _storage_key(t)
+            if key is not None and key not in seen:
+                seen.add(key)
+                total += t.untyped_storage().nbytes()
+    return total
 
 
 def _storage_key(t: torch.Tensor) -> Optional[tuple[int, str]]:
@@ -386,6 +412,9 @@ def _make_pace(p: _Participant, scheduler: _Scheduler, device_type: str, untimed
                 p.step_memory.count_state(pl_module, list(trainer.optimizers), trainer.precision_plugin)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if p.cuda_memory is not None and p.round is None and p.budget == 0 and self._index <= memory_step:
+                # the last step of the warm-up turn: from here the mode is charged for its own tensors only
+                p.cuda_memory.rebase_to = _own_cuda_bytes(pl_module, list(trainer.optimizers), trainer.precision_plugin)
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             if isinstance(loss, torch.Tensor):
                 self._micro.append(loss.detach().float().reshape(()))

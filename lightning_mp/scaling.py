@@ -758,12 +758,16 @@ def check_tensors_(per_dtype: dict[torch.dtype, list[torch.Tensor]], numel: int,
     (one launch; it rewrites each tensor with itself, bumping its version counter); above: the read-only inf-norm.
     """
     with torch.no_grad():
-        if numel <= FUSED_CHECK_MAX_NUMEL:
-            for tensors in per_dtype.values():
+        rest = []
+        for dtype, tensors in per_dtype.items():
+            # (torch's CUDA kernel takes fp32 and fp16 only; bf16 gradients take the inf-norm there)
+            if numel <= FUSED_CHECK_MAX_NUMEL and (dtype is not torch.bfloat16 or flag.device.type != "cuda"):
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _one(flag.device))
-            return
-        worst = [torch.stack(torch._foreach_norm(t, math.inf)).max().float() for t in per_dtype.values()]
-        flag.add_(~torch.isfinite(worst[0] if len(worst) == 1 else torch.stack(worst).max()))
+            else:
+                rest.append(tensors)
+        if rest:
+            worst = [torch.stack(torch._foreach_norm(t, math.inf)).max().float() for t in rest]
+            flag.add_(~torch.isfinite(worst[0] if len(worst) == 1 else torch.stack(worst).max()))
 
 
 _MASKS: dict[torch.device, tuple[torch.Tensor, ...]] = {}
