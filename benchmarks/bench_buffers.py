@@ -126,12 +126,17 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--rounds", type=int, default=3, help="snapshot on/off runs, interleaved")
-    p.add_argument("--gpt-step-ms", type=float, default=None, help="the GPT's step time to compare with (bench_overhead)")
+    p.add_argument(
+        "--gpt-step-ms", type=float, default=None, help="the GPT's step time to compare with (bench_overhead)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     g = torch.Generator().manual_seed(0)
     batches = [
-        (torch.randn(args.batch, 3, args.image, args.image, generator=g), torch.randint(0, 1000, (args.batch,), generator=g))
+        (
+            torch.randn(args.batch, 3, args.image, args.image, generator=g),
+            torch.randint(0, 1000, (args.batch,), generator=g),
+        )
         for _ in range(args.warmup + args.steps)
     ]
     on, off = [], []
@@ -167,8 +172,9 @@ def main() -> int:
         rows["gpt_step_ms"] = args.gpt_step_ms
     print(json.dumps(rows, indent=1))
     ratio = rows["cnn_step_ms_snapshot_on"] / rows["cnn_step_ms_snapshot_off"]
-    print(f"\n| model | step ms (snapshot on / off) | take+drop ms | share of a step |\n|---|---|---|---|")
-    print(f"| BN CNN ({n_buffers} buffers) | {rows['cnn_step_ms_snapshot_on']:.2f} / {rows['cnn_step_ms_snapshot_off']:.2f}"
+    print("\n| model | step ms (snapshot on / off) | take+drop ms | share of a step |\n|---|---|---|---|")
+    print(f"| BN CNN ({n_buffers} buffers) | {rows['cnn_step_ms_snapshot_on']:.2f}"
+          f" / {rows['cnn_step_ms_snapshot_off']:.2f}"
           f" ({ratio:.3f}x) | {cnn_take:.3f} | {cnn_take / rows['cnn_step_ms_snapshot_off']:.2%} |")
     if "gpt_take_ms" in rows and args.gpt_step_ms:
         print(f"| GPT 1.89 B ({rows['gpt_buffers']} buffers) | {args.gpt_step_ms:.1f} | {rows['gpt_take_ms']:.3f} |"

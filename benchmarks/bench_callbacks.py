@@ -95,7 +95,9 @@ def run_variant(args: argparse.Namespace, variant: str, batches: list[torch.Tens
         plugins=[MPPlugin("bf16")],
     )
     try:
-        trainer.fit(bench_overhead.lit_gpt(model, batches, lambda params: bench_overhead.make_optimizer(params, args.lr)))
+        trainer.fit(
+            bench_overhead.lit_gpt(model, batches, lambda params: bench_overhead.make_optimizer(params, args.lr))
+        )
     finally:
         probe.close_sync_window()
     row = probe.results()

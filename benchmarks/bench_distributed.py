@@ -135,7 +135,11 @@ def worker(cfg: dict[str, Any]) -> None:
 
     def fingerprint(trainer: pl.Trainer, module: LM) -> list[float]:
         model = trainer.model
-        ctx = FullyShardedDataParallel.summon_full_params(model) if isinstance(model, FullyShardedDataParallel) else None
+        ctx = (
+            FullyShardedDataParallel.summon_full_params(model)
+            if isinstance(model, FullyShardedDataParallel)
+            else None
+        )
         if ctx is not None:
             ctx.__enter__()
         try:
@@ -196,22 +200,44 @@ def worker(cfg: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------------------------- the driver
 def run(
-    name: str, strategy: str, devices: int, precision: str, kwargs: dict[str, Any], args: argparse.Namespace, folder: str
+    name: str,
+    strategy: str,
+    devices: int,
+    precision: str,
+    kwargs: dict[str, Any],
+    args: argparse.Namespace,
+    folder: str,
 ) -> dict[str, Any]:
     cfg = {
         key: getattr(args, key)
         for key in ("vocab", "hidden", "layers", "heads", "seq", "global_batch", "steps", "lr", "seed", "poison_steps")
     }
-    cfg.update(accelerator=args.accelerator, strategy=strategy, devices=devices, precision=precision, plugin_kwargs=kwargs, out=os.path.join(folder, name.replace(" ", "_")))
+    cfg.update(
+        accelerator=args.accelerator,
+        strategy=strategy,
+        devices=devices,
+        precision=precision,
+        plugin_kwargs=kwargs,
+        out=os.path.join(folder, name.replace(" ", "_")),
+    )
     env = dict(os.environ)
     env.pop("LOCAL_RANK", None)
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)], env=env, capture_output=True, text=True,
+        [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
+        env=env,
+        capture_output=True,
+        text=True,
         timeout=args.run_timeout,
     )
-    row: dict[str, Any] = {"run": name, "strategy": strategy, "devices": devices, "precision": precision, "kwargs": kwargs,
-                           "wall_s": time.perf_counter() - start}
+    row: dict[str, Any] = {
+        "run": name,
+        "strategy": strategy,
+        "devices": devices,
+        "precision": precision,
+        "kwargs": kwargs,
+        "wall_s": time.perf_counter() - start,
+    }
     ranks = []
     for rank in range(devices):
         path = f"{cfg['out']}.rank{rank}.json"
@@ -259,7 +285,8 @@ def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| run | step ms | tokens/s | vs 1 GPU | peak GiB/GPU | final loss | max loss diff vs 1 GPU | skipped steps (every rank) | same weights on all ranks |",
+        "| run | step ms | tokens/s | vs 1 GPU | peak GiB/GPU | final loss | max loss diff vs 1 GPU"
+        " | skipped steps (every rank) | same weights on all ranks |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -271,7 +298,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{skipped[0]}" + (" ✓" if r.get("skips_as_injected") else " ✗ " + str(skipped))
         )
         lines.append(
-            f"| {r['run']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {fmt(r.get('speedup_vs_1gpu'), '.2f', '×')} "
+            f"| {r['run']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f}"
+            f" | {fmt(r.get('speedup_vs_1gpu'), '.2f', '×')} "
             f"| {r['peak_gib']:.1f} | {r['losses'][-1]:.4f} | {fmt(r.get('loss_max_rel_diff'), '.2%')} | {skip_text} "
             f"| {'yes' if r['same_weights_all_ranks'] else 'NO'} |"
         )
@@ -325,7 +353,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     check(rows, args)
     gpu = next((r["gpu"] for r in rows if "gpu" in r), args.accelerator)
     header = (
-        f"{count}× {gpu}, torch {torch.__version__}, GPT {args.hidden}×{args.layers} (vocab {args.vocab}, seq {args.seq}),"
+        f"{count}× {gpu}, torch {torch.__version__}, GPT {args.hidden}×{args.layers}"
+        f" (vocab {args.vocab}, seq {args.seq}),"
         f" global batch {args.global_batch} sequences, {args.steps} steps (median after {args.warmup}),"
         f" overflow injected on the last rank at steps {args.poison_steps}"
     )
@@ -337,8 +366,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             json.dump({"header": header, "rows": rows}, fh, indent=1)
         with open(os.path.join(args.out, f"bench_distributed_{tag}.md"), "w") as fh:
             fh.write(text + "\n")
-    failures = [r["run"] for r in rows if "error" in r or r.get("loss_equal") is False or r.get("skips_as_injected") is False
-                or not r.get("same_weights_all_ranks", False)]
+    failures = [
+        r["run"]
+        for r in rows
+        if "error" in r
+        or r.get("loss_equal") is False
+        or r.get("skips_as_injected") is False
+        or not r.get("same_weights_all_ranks", False)
+    ]
     print(text)
     if failures:
         print("checks failed:", ", ".join(failures))

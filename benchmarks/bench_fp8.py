@@ -211,12 +211,16 @@ def cleanup() -> None:
 # --------------------------------------------------------------------------------------------- report
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| size | mode | step ms | tokens/s | MFU (bf16 ceiling) | peak GiB | FP8 share | final loss | vs mp-bf16 | vs lightning-te |",
+        "| size | mode | step ms | tokens/s | MFU (bf16 ceiling) | peak GiB | FP8 share | final loss | vs mp-bf16"
+        " | vs lightning-te |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['size']} | {r['mode']} | {r['error']}: {r.get('error_detail', '')[:80]} | | | {fmt(r.get('peak_gib'), '.1f')} | | | | |")
+            lines.append(
+                f"| {r['size']} | {r['mode']} | {r['error']}: {r.get('error_detail', '')[:80]} | | "
+                f"| {fmt(r.get('peak_gib'), '.1f')} | | | | |"
+            )
             continue
         lines.append(
             f"| {r['size']} | {r['mode']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu'] * 100:.1f} % "
@@ -238,11 +242,18 @@ def parse_sizes(text: str) -> list[dict[str, int]]:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default=",".join(ALL_MODES), help=f"comma-separated subset of {', '.join(ALL_MODES)}; diagnostic: {', '.join(EXTRA_MODES)}")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--modes",
+        default=",".join(ALL_MODES),
+        help=f"comma-separated subset of {', '.join(ALL_MODES)}; diagnostic: {', '.join(EXTRA_MODES)}",
+    )
     p.add_argument(
         "--sizes", type=parse_sizes, default=parse_sizes("4096:8:8:32,8192:4:4:64"),
-        help="comma-separated hidden:layers:batch:heads (default 4096:8:8:32,8192:4:4:64: the anchor shapes of shared/GPU.md)",
+        help="comma-separated hidden:layers:batch:heads"
+        " (default 4096:8:8:32,8192:4:4:64: the anchor shapes of shared/GPU.md)",
     )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per mode; the median is reported (default 10)")
@@ -250,7 +261,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peak-tflops", type=float, default=782.0, help="MFU denominator (default 782: H200 bf16 matmul ceiling)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=782.0, help="MFU denominator (default 782: H200 bf16 matmul ceiling)"
+    )
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -312,7 +325,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             cleanup()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            row: dict[str, Any] = {"size": label, "mode": mode, "n_params": n_params, "tokens_per_step": tokens_per_step}
+            row: dict[str, Any] = {
+                "size": label, "mode": mode, "n_params": n_params, "tokens_per_step": tokens_per_step
+            }
             try:
                 row.update(run_mode(size_args, mode, batches))
             except torch.cuda.OutOfMemoryError as err:
@@ -335,7 +350,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if row.get("conversion"):
                     print(f"[{label} {mode}] {row['conversion']}", flush=True)
             else:
-                print(f"[{label} {mode}] error {row['error']}: {row.get('error_detail', '')} ({row['wall_s']} s)", flush=True)
+                print(
+                    f"[{label} {mode}] error {row['error']}: {row.get('error_detail', '')} ({row['wall_s']} s)",
+                    flush=True,
+                )
             rows.append(row)
             cleanup()
 
@@ -356,7 +374,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             if mode in same and ref in same:
                 ratio = same[ref]["step_ms"] / same[mode]["step_ms"]
                 verdicts.append(
-                    {"size": size, "mode": mode, "reference": ref, "target": target, "ratio": ratio, "met": ratio >= target}
+                    {
+                        "size": size,
+                        "mode": mode,
+                        "reference": ref,
+                        "target": target,
+                        "ratio": ratio,
+                        "met": ratio >= target,
+                    }
                 )
 
     print()

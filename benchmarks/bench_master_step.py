@@ -41,7 +41,9 @@ def gpt_shapes(hidden: int, layers: int, vocab: int, seq: int) -> list[tuple[tup
         shapes += [((hidden,), True), ((hidden,), True)]
         shapes += [((3 * hidden, hidden), False), ((3 * hidden,), False), ((hidden, hidden), False), ((hidden,), False)]
         shapes += [((hidden,), True), ((hidden,), True)]
-        shapes += [((4 * hidden, hidden), False), ((4 * hidden,), False), ((hidden, 4 * hidden), False), ((hidden,), False)]
+        shapes += [
+            ((4 * hidden, hidden), False), ((4 * hidden,), False), ((hidden, 4 * hidden), False), ((hidden,), False)
+        ]
     shapes += [((hidden,), True), ((hidden,), True), ((vocab, hidden), False)]
     return shapes
 
@@ -69,7 +71,9 @@ class Timer:
         return statistics.median(times)
 
 
-def make_params(shapes, dtype: torch.dtype, device: torch.device, seed: int = 0) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+def make_params(
+    shapes, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
     """Parameters (LayerNorm ones fp32, as the guards keep them) and one gradient each, made once."""
     g = torch.Generator(device=device).manual_seed(seed)
     params, grads = [], []
@@ -164,7 +168,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"{n / 1e9:.3f} B parameters in {len(shapes)} tensors on {device}", flush=True)
 
     # Lightning's bf16-true: bf16 parameters, bf16 AdamW state
-    step_row("torch-adamw-bf16", torch.bfloat16, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=fused), "Lightning bf16-true")
+    step_row(
+        "torch-adamw-bf16", torch.bfloat16, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=fused), "Lightning bf16-true"
+    )
     cleanup()
     # bf16 autocast: fp32 parameters and gradients
     step_row("torch-adamw-fp32", torch.float32, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=fused), "bf16 autocast")
@@ -184,7 +190,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             step_row(
                 name,
                 torch.bfloat16,
-                lambda p: FusedAdam(p, lr=1e-4, adam_w_mode=True, master_weights=True, store_param_remainders=remainders),
+                lambda p: FusedAdam(
+                    p, lr=1e-4, adam_w_mode=True, master_weights=True, store_param_remainders=remainders
+                ),
                 "one kernel: bf16 grads in",
             )
             cleanup()

@@ -49,7 +49,10 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--iters", type=int, default=30)
     args = p.parse_args()
-    params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes(args.hidden, args.layers, args.vocab, args.seq)]
+    params = [
+        torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02)
+        for s in shapes(args.hidden, args.layers, args.vocab, args.seq)
+    ]
     for q in params:
         q.grad = torch.randn_like(q) * 1e-3
     n = sum(q.numel() for q in params)
@@ -60,7 +63,9 @@ def main() -> None:
     checker = DynamicLossScaler("cuda", scaling=False)
 
     rows = {
-        "amp-unscale (scale 1)": time_cuda(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one), args.iters),
+        "amp-unscale (scale 1)": time_cuda(
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one), args.iters
+        ),
         "check-only (foreach_norm inf)": time_cuda(lambda: checker._check_grads_(opt, found), args.iters),
         "fused AdamW step": time_cuda(lambda: opt.step(), args.iters),
     }
@@ -69,7 +74,10 @@ def main() -> None:
     params[5].grad.view(-1)[-1] = float("nan")
     checker._check_grads_(opt, found)
     assert found.item() > 0, "check-only missed a NaN"
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | {n / 1e9:.2f} B fp32 gradients ({4 * n / 2**30:.1f} GiB)")
+    print(
+        f"# {torch.cuda.get_device_name()} | torch {torch.__version__}"
+        f" | {n / 1e9:.2f} B fp32 gradients ({4 * n / 2**30:.1f} GiB)"
+    )
     print("| operation | median ms | GB/s (gradient bytes read) |")
     print("|---|---|---|")
     for name, ms in rows.items():

@@ -1,5 +1,6 @@
 """The GPU benchmark suite: every precision mode on GPT-350M, GPT-1.3B, ViT-B/16 and the VLM example scaled up,
-against Lightning's own plugins and a plain ``torch.autocast`` loop, in one process (every listed model, one after the other).
+against Lightning's own plugins and a plain ``torch.autocast`` loop, in one process (every listed model, one after
+the other).
 
 Per model and mode: tokens (or images) per second, MFU against the measured bf16 ceiling, peak memory
 (``torch.cuda.max_memory_allocated``) and the loss after N steps, all from the same initial weights and batches
@@ -332,7 +333,8 @@ def table(name: str, results: list[ModeResult], flops_per_item: float, peak_tflo
         vn = native.step_ms / r.step_ms if native and native.step_ms and r.step_ms else None
         f = lambda v, spec: "—" if v is None else format(v, spec)  # noqa: E731
         lines.append(
-            f"| {r.mode} | {r.status} | {f(r.step_ms, '.1f')} | {f(r.items_per_s, ',.0f')} | {f(mfu and 100 * mfu, '.1f')}"
+            f"| {r.mode} | {r.status} | {f(r.step_ms, '.1f')} | {f(r.items_per_s, ',.0f')}"
+            f" | {f(mfu and 100 * mfu, '.1f')}"
             f" | {f(r.peak_mem_mib and r.peak_mem_mib / 1024, '.1f')} | {f(r.final_loss, '.4f')} | {f(v32, '.2f')}"
             f" | {f(vn, '.3f')} | {r.reason.replace('|', '/')[:120]} |"
         )

@@ -61,7 +61,8 @@ class BufferSnapshot:
         self._buffers, self._owners = buffers, owners
 
     def restore(self, optimizer: Optimizer, skipped: Optional[bool], found_inf: Optional[Tensor]) -> None:
-        """``optimizer``'s step was skipped (``skipped=True``), or maybe (``None``: ``found_inf`` says, on the device)."""
+        """``optimizer``'s step was skipped (``skipped=True``), or maybe (``None``: ``found_inf`` says, on the
+        device)."""
         if not self._buffers or skipped is False:
             return
         mine = [i for i, owners in enumerate(self._owners) if owners is None or id(optimizer) in owners]
@@ -85,7 +86,8 @@ class BufferSnapshot:
 def _find(
     module: nn.Module, optimizers: Iterable[Optimizer]
 ) -> tuple[list[tuple[dict, str, Tensor]], list[Optional[frozenset[int]]]]:
-    """Every buffer of ``module`` (where it sits: its module's ``_buffers`` and key) and the optimizers it belongs to."""
+    """Every buffer of ``module`` (where it sits: its module's ``_buffers`` and key) and the optimizers it belongs
+    to."""
     found: list[tuple[nn.Module, dict, str, Tensor]] = []
     seen: set[int] = set()
     for sub in module.modules():

@@ -106,7 +106,7 @@ def run(modes: list[str], steps: int, poison_step: Optional[int]) -> list[dict]:
                           callbacks=[record])
         print(f"--- {mode}: MPPlugin({mode!r}) -> Trainer.precision={trainer.precision!r}")
         trainer.fit(model)
-        finite = [l for l in record.losses if math.isfinite(l)]
+        finite = [loss for loss in record.losses if math.isfinite(loss)]
         stats = plugin.stats.as_dict()
         rows.append({
             "mode": mode,
@@ -131,7 +131,8 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m lightning_mp demo", description=__doc__)
-    parser.add_argument("--modes", nargs="+", default=["fp32", "bf16", "fp16"], help="modes to run (default: %(default)s)")
+    parser.add_argument("--modes", nargs="+", default=["fp32", "bf16", "fp16"],
+                        help="modes to run (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per mode (default: %(default)s)")
     parser.add_argument("--poison-step", type=int, default=20,
                         help="multiply the loss by inf at this step to show the skip (-1: never; default: %(default)s)")

@@ -82,7 +82,9 @@ DEFAULTS_TOKEN = "defaults"
 
 #: default entries whose work CUDA autocast already runs in fp32 (layer_norm, group_norm, softmax, log_softmax,
 #: the loss functions): under CUDA autocast a hook would only add host time (measured: ~5 ms a step on a small ViT)
-AUTOCAST_FP32_ON_CUDA: tuple[str, ...] = ("*LayerNorm", "GroupNorm", "Softmax", "Softmin", "LogSoftmax", "Softmax2d", _TORCH_LOSS)
+AUTOCAST_FP32_ON_CUDA: tuple[str, ...] = (
+    "*LayerNorm", "GroupNorm", "Softmax", "Softmin", "LogSoftmax", "Softmax2d", _TORCH_LOSS
+)
 
 _LOW = (torch.float16, torch.bfloat16)
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -346,7 +348,9 @@ class _UpcastLayerNorm(torch.autograd.Function):
     computes (the same kernels, so the same values and gradients), keeping the 16-bit input for backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, shape: tuple) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, shape: tuple
+    ) -> Tensor:
         out, mean, rstd = torch.native_layer_norm(x.float(), shape, weight, bias, eps)
         ctx.save_for_backward(x, weight, bias, mean, rstd)
         ctx.shape = shape

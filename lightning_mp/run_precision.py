@@ -14,7 +14,15 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.distributed import REDUCE_DTYPES
 from lightning_mp.fp8 import FP8Config, FP8Training
-from lightning_mp.modes import AUTO, MODES, PrecisionMode, auto_choice, parse_precision, provisional_lightning_precision, resolve_mode
+from lightning_mp.modes import (
+    AUTO,
+    MODES,
+    PrecisionMode,
+    auto_choice,
+    parse_precision,
+    provisional_lightning_precision,
+    resolve_mode,
+)
 from lightning_mp.options import changed_scaler_arguments, make_scaler
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.true_half import MasterWeightsSetup
@@ -66,7 +74,9 @@ class RunPrecision:
 
     @property
     def lightning_precision(self) -> str:
-        return self.mode.lightning_precision if self.mode is not None else provisional_lightning_precision(self.requested)
+        return (
+            self.mode.lightning_precision if self.mode is not None else provisional_lightning_precision(self.requested)
+        )
 
     @property
     def name(self) -> str:

@@ -53,7 +53,9 @@ class MasterWeightsSetup:
                 " master_weights unset."
             )
 
-    def connect(self, mode: PrecisionMode, model: nn.Module, optimizers: list[Optimizer], *, fsdp: bool) -> Optional[MasterWeights]:
+    def connect(
+        self, mode: PrecisionMode, model: nn.Module, optimizers: list[Optimizer], *, fsdp: bool
+    ) -> Optional[MasterWeights]:
         """The master weights for this run's optimizers (``None``: the optimizers step the parameters)."""
         _warn_redundant_optimizer_masters(mode, optimizers)
         if not mode.true_half or fsdp:

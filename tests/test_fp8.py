@@ -137,7 +137,9 @@ def test_config_from_dict_normalises_case_and_lists():
         {"recipe": "Delayed", "fp8_format": "hybrid", "amax_compute_algo": "MOST_RECENT", "include": "blocks.*",
          "exclude": ["head", " *.router "], "weights": "BF16"}
     )
-    assert (cfg.recipe, cfg.fp8_format, cfg.amax_compute_algo, cfg.weights) == ("delayed", "HYBRID", "most_recent", "bf16")
+    assert (cfg.recipe, cfg.fp8_format, cfg.amax_compute_algo, cfg.weights) == (
+        "delayed", "HYBRID", "most_recent", "bf16"
+    )
     assert cfg.include == ("blocks.*",) and cfg.exclude == ("head", "*.router")
     hash(cfg)  # frozen and hashable
     with pytest.raises(Exception):
@@ -158,13 +160,19 @@ def test_config_from_value():
 @pytest.mark.parametrize(
     ("values", "pattern"),
     [
-        ({"recipe": "nvfp4"}, r"fp8 recipe='nvfp4' is invalid\. Accepted values: 'delayed', 'current', 'block', 'mxfp8'"),
+        (
+            {"recipe": "nvfp4"},
+            r"fp8 recipe='nvfp4' is invalid\. Accepted values: 'delayed', 'current', 'block', 'mxfp8'",
+        ),
         ({"fp8_format": "E5M2"}, r"fp8 fp8_format='E5M2' is invalid\. Accepted values: 'HYBRID', 'E4M3'"),
         ({"amax_compute_algo": "mean"}, r"amax_compute_algo='mean' is invalid\. Accepted values: 'max', 'most_recent'"),
         ({"amax_history_len": 0}, r"fp8 amax_history_len=0 is invalid: use an integer >= 1, or null"),
         ({"amax_history_len": True}, r"amax_history_len=True is invalid"),
         ({"margin": -1}, r"fp8 margin=-1 is invalid: use an integer >= 0"),
-        ({"recipe": "current", "amax_history_len": 16}, r"amax_history_len=16 applies to recipe='delayed' only, not recipe='current'"),
+        (
+            {"recipe": "current", "amax_history_len": 16},
+            r"amax_history_len=16 applies to recipe='delayed' only, not recipe='current'",
+        ),
         ({"recipe": "block", "margin": 1}, r"margin=1 applies to recipe='delayed' or 'mxfp8' only, not recipe='block'"),
         ({"keep_last": -1}, r"fp8 keep_last=-1 is invalid: use an integer >= 0\."),
         ({"keep_first": 1.5}, r"fp8 keep_first=1.5 is invalid"),
@@ -177,8 +185,14 @@ def test_config_from_value():
         ({"fp8_in_eval": "yes"}, r"fp8 fp8_in_eval='yes' is invalid: use true or false"),
         ({"convert_layernorm": 1}, r"convert_layernorm=1 is invalid: use true or false"),
         ({"check_saturation": "no"}, r"check_saturation='no' is invalid: use true or false"),
-        ({"cache_fp8_weights": True}, r"cache_fp8_weights=True is invalid\. Accepted values: 'auto', 'always', 'never'"),
-        ({"amax_history": 16}, r"Unknown fp8 setting 'amax_history'\. Did you mean 'amax_history_len'\? Accepted settings: recipe,"),
+        (
+            {"cache_fp8_weights": True},
+            r"cache_fp8_weights=True is invalid\. Accepted values: 'auto', 'always', 'never'",
+        ),
+        (
+            {"amax_history": 16},
+            r"Unknown fp8 setting 'amax_history'\. Did you mean 'amax_history_len'\? Accepted settings: recipe,",
+        ),
         ({"speed": 2}, r"Unknown fp8 setting 'speed'\. Accepted settings: recipe, fp8_format,"),
     ],
 )
@@ -205,7 +219,8 @@ def test_config_from_yaml_through_jsonargparse():
 
 # --------------------------------------------------------------------------------------------- filters
 @pytest.mark.parametrize(
-    ("shape", "ok"), [((4096, 4096), True), ((24, 32), False), ((32, 40), False), ((16, 16), True), ((4104, 4096), False)]
+    ("shape", "ok"),
+    [((4096, 4096), True), ((24, 32), False), ((32, 40), False), ((16, 16), True), ((4104, 4096), False)],
 )
 def test_te_shape_rule(shape, ok):
     assert te_shape_rule(nn.Linear(*shape, device="meta"), "x") is ok
@@ -257,7 +272,9 @@ def test_module_filter_reasons():
     model = ToyLM(tie=True)
     model.blocks[1].fc2.register_forward_hook(lambda *a: None)
     keep = ModuleFilter(model, FP8Config(keep_first=1, keep_last=1, exclude=["blocks.1.ln"], **OFF))
-    reasons = {name: keep.reason(m, name) for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm))}
+    reasons = {
+        name: keep.reason(m, name) for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.LayerNorm))
+    }
     assert reasons["stem"] == "one of the first 1 linear layer(s), kept in bf16 (keep_first=1)"
     assert reasons["head"].startswith("one of the last 1 linear layer(s)")
     assert "divisible by 16" in reasons["adapter"] and "in_features=32, out_features=24" in reasons["adapter"]
@@ -286,7 +303,10 @@ def test_module_filter_kinds_and_sizes():
     assert "subclasses nn.Linear" in keep.reason(model[3], "3")
     assert keep.reason(model[4], "4") is None
     assert ModuleFilter(model, FP8Config(keep_last=0, min_features=1024)).reason(model[0], "0") is None
-    assert ModuleFilter(model, FP8Config(convert_layernorm=False)).reason(nn.LayerNorm(32), "n") == "convert_layernorm=False"
+    assert (
+        ModuleFilter(model, FP8Config(convert_layernorm=False)).reason(nn.LayerNorm(32), "n")
+        == "convert_layernorm=False"
+    )
     user = ModuleFilter(model, FP8Config(keep_last=0), extra=lambda m, fqn: fqn != "4")
     assert user.reason(model[4], "4") == "module_filter_fn returned False"
 
@@ -343,7 +363,9 @@ def test_swap_converts_copies_and_reports(caplog):
     total = done + 2 * elements["adapter"] + elements["head"]
     assert report.linear_flop_share == pytest.approx(done / total)
     summary = report.summary()
-    assert summary.startswith("FP8: 6 of 9 nn.Linear -> te.Linear (") and "3 of 3 nn.LayerNorm -> te.LayerNorm" in summary
+    assert (
+        summary.startswith("FP8: 6 of 9 nn.Linear -> te.Linear (") and "3 of 3 nn.LayerNorm -> te.LayerNorm" in summary
+    )
     assert "2 shapes TE cannot run (not divisible by 16)" in summary and "1 last layers (keep_last)" in summary
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     assert [r.getMessage() for r in infos] == [summary]
@@ -352,7 +374,11 @@ def test_swap_converts_copies_and_reports(caplog):
     assert report.as_dict()["skipped"][0]["reason"]
 
     again = convert_to_te(model, config=FP8Config(**OFF), te=standin_te)
-    assert not again.converted and again.already_te == 9 and "9 Transformer Engine modules were already there" in again.summary()
+    assert (
+        not again.converted
+        and again.already_te == 9
+        and "9 Transformer Engine modules were already there" in again.summary()
+    )
 
 
 def test_swap_bf16_weights_and_module_filter_fn():
@@ -436,7 +462,9 @@ def test_fp8_training_weight_cache_configuration():
 def test_eval_runs_without_fp8_by_default():
     fp8 = FP8Training()
     assert isinstance(fp8.autocast(training=False), type(__import__("contextlib").nullcontext()))
-    assert not isinstance(FP8Training({"fp8_in_eval": True}).autocast(training=False), type(__import__("contextlib").nullcontext()))
+    assert not isinstance(
+        FP8Training({"fp8_in_eval": True}).autocast(training=False), type(__import__("contextlib").nullcontext())
+    )
 
 
 # --------------------------------------------------------------------------------------------- messages
@@ -444,7 +472,9 @@ def test_messages_cpu_and_old_gpus():
     cpu = fp8_support_problem(device_type="cpu", te_version=None)
     assert "needs an NVIDIA GPU with FP8 tensor cores" in cpu and "Ada, Hopper or Blackwell" in cpu
     assert cpu.endswith("but the run is on the CPU. Use precision='bf16' instead.")
-    a100 = fp8_support_problem(device_type="cuda", capability=(8, 0), device_name="NVIDIA A100-SXM4-80GB", te_version=None)
+    a100 = fp8_support_problem(
+        device_type="cuda", capability=(8, 0), device_name="NVIDIA A100-SXM4-80GB", te_version=None
+    )
     assert "NVIDIA A100-SXM4-80GB has compute capability 8.0" in a100 and "Use precision='bf16' on this GPU" in a100
     t4 = fp8_support_problem(device_type="cuda", capability=(7, 5), device_name="Tesla T4", te_version="2.20.2")
     assert "Use precision='fp16' (with loss scaling)" in t4
@@ -462,7 +492,10 @@ def test_messages_for_recipes():
     assert fp8_support_problem(**hopper, recipe="delayed") is None
     assert fp8_support_problem(**hopper, recipe="block") is None
     old = fp8_support_problem(**hopper, recipe="current", recipe_class_present=False)
-    assert "needs transformer_engine.common.recipe.Float8CurrentScaling, which the installed Transformer Engine 2.20.2 lacks" in old
+    assert (
+        "needs transformer_engine.common.recipe.Float8CurrentScaling,"
+        " which the installed Transformer Engine 2.20.2 lacks" in old
+    )
     te_says = "Device compute capability 10.0 or higher required for MXFP8 execution."
     mx = fp8_support_problem(**hopper, recipe="mxfp8", te_reason=te_says)
     assert mx.startswith("fp8 recipe='mxfp8' (MXFP8BlockScaling) cannot run on NVIDIA H200: " + te_says)
@@ -471,7 +504,9 @@ def test_messages_for_recipes():
     assert "MXFP8 needs compute capability 10.x" in fp8_support_problem(**hopper, recipe="mxfp8")
     ada = dict(hopper, capability=(8, 9), device_name="NVIDIA L40S")
     block = fp8_support_problem(**ada, recipe="block")
-    assert "(Float8BlockScaling) cannot run on NVIDIA L40S" in block and "use recipe='delayed', 'current' here." in block
+    assert (
+        "(Float8BlockScaling) cannot run on NVIDIA L40S" in block and "use recipe='delayed', 'current' here." in block
+    )
     blackwell = dict(hopper, capability=(10, 0), device_name="NVIDIA B200")
     assert fp8_support_problem(**blackwell, recipe="mxfp8") is None
 

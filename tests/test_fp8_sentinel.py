@@ -80,7 +80,12 @@ class FakeManager:
 
     @classmethod
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
-        rows = [t for k, ts in cls.quantization_state.global_amax_buffer.items() if k.startswith("forward") == forward for t in ts]
+        rows = [
+            t
+            for k, ts in cls.quantization_state.global_amax_buffer.items()
+            if k.startswith("forward") == forward
+            for t in ts
+        ]
         cls.reductions.append((forward, [float(v) for t in rows for v in t]))
 
 
@@ -146,7 +151,11 @@ def test_amax_watch_is_installed_once_and_removed_with_the_last_sentinel(manager
 def test_a_finding_added_to_the_verdict_skips_the_step(fused):
     """DynamicLossScaler.add_found_inf_: finite gradients, a raised flag: the optimizer does not step."""
     model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused) if fused else torch.optim.AdamW(model.parameters(), lr=0.1)
+    opt = (
+        torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
+        if fused
+        else torch.optim.AdamW(model.parameters(), lr=0.1)
+    )
     scaler = DynamicLossScaler("cpu", scaling=False)
     scaler.ensure_initialized(torch.device("cpu"))
     before = [p.detach().clone() for p in model.parameters()]

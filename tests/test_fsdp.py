@@ -68,7 +68,9 @@ class Dump(Callback):
         plugin = trainer.precision_plugin
         with FullyShardedDataParallel.summon_full_params(trainer.model):
             # names without the wrappers' prefix: a run may wrap more submodules than another
-            params = {k.replace("_fsdp_wrapped_module.", ""): v.detach().clone() for k, v in pl_module.named_parameters()}
+            params = {
+                k.replace("_fsdp_wrapped_module.", ""): v.detach().clone() for k, v in pl_module.named_parameters()
+            }
         torch.save(
             {
                 "params": params,
@@ -93,7 +95,10 @@ def load(folder):
     return [torch.load(f"{folder}/rank{r}.pt", weights_only=True) for r in (0, 1)]
 
 
-@pytest.mark.parametrize(("mode", "value", "clip"), [("fp16", math.inf, None), ("bf16", math.nan, None), ("fp16", math.nan, 1.0), ("bf16", math.inf, 1.0)])
+@pytest.mark.parametrize(
+    ("mode", "value", "clip"),
+    [("fp16", math.inf, None), ("bf16", math.nan, None), ("fp16", math.nan, 1.0), ("bf16", math.inf, 1.0)],
+)
 def test_fsdp_inf_on_one_rank_is_skipped_by_every_rank(tmp_path, mode, value, clip):
     model = FSDPRegressor(poison_grad=(2, 3), poison_value=value)
     trainer = fsdp_trainer(MPPlugin(mode, init_scale=2.0**8), str(tmp_path), gradient_clip_val=clip)
@@ -190,14 +195,19 @@ def test_fsdp_checkpoint_carries_scaler_state_and_resumes(tmp_path):
     sharded = {"state_dict_type": "sharded"}
     model = FSDPRegressor(poison_grad=(2,), poison_value=math.inf)
     fsdp_trainer(
-        MPPlugin("fp16", init_scale=2.0**8), str(tmp_path / "a"), callbacks_extra=[Saver(ckpt, 4)], strategy_kwargs=sharded
+        MPPlugin("fp16", init_scale=2.0**8),
+        str(tmp_path / "a"),
+        callbacks_extra=[Saver(ckpt, 4)],
+        strategy_kwargs=sharded,
     ).fit(model)
     saved = torch.load(f"{ckpt}/meta.pt", weights_only=True)
     entry = saved["MPPlugin"]
     assert entry["mode"] == "fp16"
     assert float(entry["scaler"]["scale"]) == 2.0**7
     resumed = FSDPRegressor(poison_rank=-1)
-    fsdp_trainer(MPPlugin("fp16", init_scale=2.0**8), str(tmp_path / "b"), strategy_kwargs=sharded).fit(resumed, ckpt_path=ckpt)
+    fsdp_trainer(MPPlugin("fp16", init_scale=2.0**8), str(tmp_path / "b"), strategy_kwargs=sharded).fit(
+        resumed, ckpt_path=ckpt
+    )
     r0, r1 = load(tmp_path / "b")
     assert r0["stats"] == r1["stats"]
     assert r0["stats"]["loss_scale"] == 2.0**7  # not init_scale: the backoff survived the resume
@@ -233,7 +243,9 @@ def test_fsdp_param_dtype_gathers_half_weights_and_keeps_guards_fp32(tmp_path):
     reference.load_state_dict(model.state_dict())
     plugin = MPPlugin("bf16", fsdp_param_dtype="bf16")
     fsdp_trainer(plugin, str(tmp_path / "half"), strategy_kwargs=wrap, use_distributed_sampler=False).fit(model)
-    fsdp_trainer(MPPlugin("bf16"), str(tmp_path / "full"), strategy_kwargs=wrap, use_distributed_sampler=False).fit(reference)
+    fsdp_trainer(
+        MPPlugin("bf16"), str(tmp_path / "full"), strategy_kwargs=wrap, use_distributed_sampler=False
+    ).fit(reference)
     half, half1 = load(tmp_path / "half")
     full, _ = load(tmp_path / "full")
     assert half["seen"] == {"net1": "torch.bfloat16", "norm": "torch.float32", "net2": "torch.bfloat16"}
@@ -288,7 +300,9 @@ def test_fsdp_true_half_uses_the_shards_as_master_weights(tmp_path, mode, value)
 
 
 def test_fsdp_true_half_with_guards_needs_a_wrap_policy(tmp_path):
-    with pytest.raises(Exception, match="precision='bf16-true'.*keeps the FP32-guarded modules.*needs an auto_wrap_policy"):
+    with pytest.raises(
+        Exception, match="precision='bf16-true'.*keeps the FP32-guarded modules.*needs an auto_wrap_policy"
+    ):
         fsdp_trainer(MPPlugin("bf16-true"), str(tmp_path)).fit(NormRegressor())
     assert not (tmp_path / "rank0.pt").exists()
 
@@ -347,7 +361,9 @@ def test_fsdp_reduce_dtype_fp16_reduces_in_half(tmp_path):
     model = FSDPRegressor(poison_rank=-1)
     initial = copy.deepcopy(model.state_dict())
     # fp32 compute: under bf16 autocast the gradients are bf16 values, which fp16 holds exactly
-    fsdp_trainer(MPPlugin("fp32", reduce_dtype="fp16"), str(tmp_path / "half"), use_distributed_sampler=False).fit(model)
+    fsdp_trainer(
+        MPPlugin("fp32", reduce_dtype="fp16"), str(tmp_path / "half"), use_distributed_sampler=False
+    ).fit(model)
     reference = FSDPRegressor(poison_rank=-1)
     reference.load_state_dict(initial)
     fsdp_trainer(MPPlugin("fp32"), str(tmp_path / "full"), use_distributed_sampler=False).fit(reference)

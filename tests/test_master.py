@@ -144,7 +144,11 @@ def test_weights_masters_and_optimizer_state_dtypes(mode, kind):
     if kind == "fp32":
         for p in model.parameters():  # the half weights are the masters rounded
             master = plugin.masters.master_of(p)
-            assert master.dtype == torch.float32 and torch.equal(master.to(half), p) if p.dtype == half else master is None
+            assert (
+                master.dtype == torch.float32 and torch.equal(master.to(half), p)
+                if p.dtype == half
+                else master is None
+            )
     assert {t.dtype for t in state_tensors(opt)} == ({half, torch.float32} if kind == "none" else {torch.float32})
     if (mode, kind) == ("fp16-true", "none"):
         return  # Adam on fp16 state: eps=1e-8 and small squared gradients underflow to 0, the run goes NaN
@@ -282,7 +286,8 @@ def test_micro_batches_accumulate_in_fp32():
     # per micro-batch gradients 1, 2**-8, 2**-8, 2**-8 (the loss is divided by 4): in bf16, 1 + 2**-8 rounds to 1
     cs = [4.0, 2.0**-6, 2.0**-6, 2.0**-6]
     exact = 1 + 3 * 2.0**-8
-    # (every kind of master weights sums micro-batches in fp32; plain half weights sum in half, as Lightning's bf16-true)
+    # (every kind of master weights sums micro-batches in fp32; plain half weights sum in half, as Lightning's
+    # bf16-true)
     for kind, expected in [("fp32", exact), ("kahan", exact), ("stochastic", exact), ("none", 1.0)]:
         model = OneWeight(cs)
         make_trainer(MPPlugin("bf16-true", master_weights=kind), max_steps=1, accumulate_grad_batches=4).fit(model)
@@ -450,7 +455,11 @@ def test_resume_in_another_mode_or_kind_keeps_the_fp32_values(tmp_path):
     trainer, plugin, model = fit("bf16-true", "fp32", 4)
     path = tmp_path / "masters.ckpt"
     trainer.save_checkpoint(path)
-    masters = {n: plugin.masters.master_of(p).detach().clone() for n, p in model.named_parameters() if p.dtype != torch.float32}
+    masters = {
+        n: plugin.masters.master_of(p).detach().clone()
+        for n, p in model.named_parameters()
+        if p.dtype != torch.float32
+    }
 
     # bf16 mixed precision: the fp32 weights become the masters exactly (not the bf16-rounded weights)
     class Restored(Callback):
@@ -480,7 +489,9 @@ def test_resume_in_another_mode_or_kind_keeps_the_fp32_values(tmp_path):
     trainer, _, mixed = fit("bf16", None, 4)
     trainer.save_checkpoint(path)
     restored = Restored()
-    with pytest.warns(UserWarning, match="no master weights; master_weights='fp32' starts from the checkpoint's weights"):
+    with pytest.warns(
+        UserWarning, match="no master weights; master_weights='fp32' starts from the checkpoint's weights"
+    ):
         make_trainer(MPPlugin("bf16-true"), max_steps=5, callbacks=[restored]).fit(HalfNet(), ckpt_path=path)
     assert restored.params["net1.weight"].dtype == torch.bfloat16
     assert torch.equal(restored.masters["masters"]["net1.weight"], mixed.net1.weight)
@@ -556,7 +567,9 @@ def test_yaml_sets_precision_master_weights_and_fp32_modules(tmp_path):
             "enable_progress_bar": False,
             "plugins": [{
                 "class_path": "lightning_mp.MPPlugin",
-                "init_args": {"precision": "bf16-true", "master_weights": "kahan", "fp32_modules": ["defaults", "net2"]},
+                "init_args": {
+                    "precision": "bf16-true", "master_weights": "kahan", "fp32_modules": ["defaults", "net2"]
+                },
             }],
         },
     }
@@ -649,7 +662,10 @@ def test_fp32_masters_start_from_the_exact_fp32_weights():
         def on_train_start(self, trainer, pl_module):
             plugin = trainer.precision_plugin
             self.half = {k: v.dtype for k, v in pl_module.named_parameters()}
-            self.masters = {k: v.clone() for k, v in fp32_values(plugin.masters.state_dict(), dict(pl_module.named_parameters())).items()}
+            self.masters = {
+                k: v.clone()
+                for k, v in fp32_values(plugin.masters.state_dict(), dict(pl_module.named_parameters())).items()
+            }
 
     probe = AtStart()
     plugin = MPPlugin("bf16-true", fp32_modules=[])

@@ -58,7 +58,9 @@ def trainer_for(plugin, folder, **kwargs):
     return make_trainer(plugin, 5, [Dump(folder)], devices=2, strategy=strategy, **kwargs)
 
 
-@pytest.mark.parametrize(("mode", "value", "clip"), [("bf16", math.nan, None), ("fp16", math.inf, None), ("bf16", math.inf, 1.0)])
+@pytest.mark.parametrize(
+    ("mode", "value", "clip"), [("bf16", math.nan, None), ("fp16", math.inf, None), ("bf16", math.inf, 1.0)]
+)
 def test_one_rank_overflow_is_skipped_by_every_rank(tmp_path, mode, value, clip):
     trainer_for(MPPlugin(mode, init_scale=2.0**8), str(tmp_path), gradient_clip_val=clip).fit(
         Sharded(poison_grad=(2,), poison_value=value)

@@ -48,7 +48,9 @@ class OwnMastersAdamW(torch.optim.Optimizer):
         params = [p for g in self.param_groups for p in g["params"]]
         for i, p in zip(saved_ids, params):
             if i in state_dict["state"]:
-                self.state[p] = {k: v.clone() if k == "step" else v.float().clone() for k, v in state_dict["state"][i].items()}
+                self.state[p] = {
+                    k: v.clone() if k == "step" else v.float().clone() for k, v in state_dict["state"][i].items()
+                }
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -86,7 +88,9 @@ class Regressor(TinyRegressor):
 
 
 def _masters(opt) -> dict:
-    return {id(p): opt.state[p]["master_param"].clone() for g in opt.param_groups for p in g["params"] if opt.state.get(p)}
+    return {
+        id(p): opt.state[p]["master_param"].clone() for g in opt.param_groups for p in g["params"] if opt.state.get(p)
+    }
 
 
 def test_an_optimizer_with_its_own_masters_is_used_as_they_are_and_learns():
@@ -164,7 +168,9 @@ def test_resume_restores_the_optimizer_masters(tmp_path):
         torch.manual_seed(0)
         model = Regressor(batches_by_index=True)
         callbacks = [ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)] if save else []
-        trainer = make_trainer(MPPlugin("bf16-true"), max_steps=max_steps, callbacks=callbacks, enable_checkpointing=save)
+        trainer = make_trainer(
+            MPPlugin("bf16-true"), max_steps=max_steps, callbacks=callbacks, enable_checkpointing=save
+        )
         trainer.fit(model, ckpt_path=ckpt)
         return model, trainer
 
@@ -182,18 +188,25 @@ def test_resume_restores_the_optimizer_masters(tmp_path):
 
 def test_optimizer_masters_asked_for_without_such_an_optimizer_is_refused():
     model = Regressor(optimizer_cls=torch.optim.AdamW)
-    with pytest.raises(MisconfigurationException, match=r"master_weights='optimizer'.*AdamW does not.*FusedAdam\(params, master_weights=True\)"):
+    with pytest.raises(
+        MisconfigurationException,
+        match=r"master_weights='optimizer'.*AdamW does not.*FusedAdam\(params, master_weights=True\)",
+    ):
         make_trainer(MPPlugin("bf16-true", master_weights="optimizer"), max_steps=1).fit(model)
 
 
 @pytest.mark.parametrize("kind", ["fp32", "kahan"])
 def test_two_sets_of_masters_are_refused(kind):
     model = Regressor()
-    with pytest.raises(MisconfigurationException, match=rf"master_weights='{kind}'.*two sets of masters.*master_weights='optimizer'"):
+    with pytest.raises(
+        MisconfigurationException, match=rf"master_weights='{kind}'.*two sets of masters.*master_weights='optimizer'"
+    ):
         make_trainer(MPPlugin("bf16-true", master_weights=kind), max_steps=1).fit(model)
 
 
 def test_an_optimizer_keeping_masters_of_fp32_weights_is_warned_about():
     model = Regressor()
-    with pytest.warns(UserWarning, match=r"OwnMastersAdamW keeps fp32 master weights itself.*second fp32 copy.*precision='bf16-true'"):
+    with pytest.warns(
+        UserWarning, match=r"OwnMastersAdamW keeps fp32 master weights itself.*second fp32 copy.*precision='bf16-true'"
+    ):
         make_trainer(MPPlugin("bf16"), max_steps=1).fit(model)

@@ -73,7 +73,9 @@ def test_poisoned_steps_change_nothing(mode, where, value, optimizer):
         if i in poisoned:
             assert_state_equal(recorder.before[i], recorder.after[i])
         else:
-            assert not torch.equal(recorder.before[i]["params"]["net1.weight"], recorder.after[i]["params"]["net1.weight"])
+            assert not torch.equal(
+                recorder.before[i]["params"]["net1.weight"], recorder.after[i]["params"]["net1.weight"]
+            )
             assert recorder.after[i]["lr"] == recorder.before[i]["lr"] * 0.5
     # Adam's step count only counts applied steps
     assert int(trainer.optimizers[0].state[model.net1.weight]["step"]) == 9 - len(poisoned)
@@ -304,7 +306,9 @@ def test_lbfgs_runs_checked_where_it_can_and_is_refused_with_advice_where_not():
         def configure_optimizers(self):
             return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=3)
 
-    with pytest.raises(Exception, match="LBFGS evaluates its closure.*loss scale.*'fp32', 'tf32', 'bf16' or 'bf16-true'"):
+    with pytest.raises(
+        Exception, match="LBFGS evaluates its closure.*loss scale.*'fp32', 'tf32', 'bf16' or 'bf16-true'"
+    ):
         make_trainer(MPPlugin("fp16"), max_steps=1).fit(WithLBFGS())
     for mode in ("fp32", "bf16"):
         model = WithLBFGS(poison_grad=(2,))
@@ -355,7 +359,8 @@ def test_set_precision_between_steps():
         ("bf16-mixed", torch.bfloat16), ("bf16-mixed", torch.bfloat16),
         ("16-mixed", torch.float16), ("16-mixed", torch.float16),
     ]
-    assert [s[2] for s in seen[:2]] == [False, False] and seen[2][2] == before  # fp32 turned TF32 off, bf16 gave it back
+    # fp32 turned TF32 off, bf16 gave it back
+    assert [s[2] for s in seen[:2]] == [False, False] and seen[2][2] == before
     # counters carried across the switches; fp16 started from init_scale and backed off once
     assert plugin.stats.skipped_steps == 2 and plugin.stats.steps == 6 and plugin.stats.loss_scale == 32.0
     with pytest.raises(ValueError, match="Unknown precision 'fp12'"):

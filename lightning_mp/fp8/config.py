@@ -118,7 +118,10 @@ class FP8Config:
         if self.fp8_format is not None:
             put("fp8_format", _choice("fp8_format", self.fp8_format, FORMATS, upper=True))
         if self.amax_compute_algo is not None:
-            put("amax_compute_algo", _choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS, lower=True))
+            put(
+                "amax_compute_algo",
+                _choice("amax_compute_algo", self.amax_compute_algo, AMAX_COMPUTE_ALGOS, lower=True),
+            )
         _check_int("margin", self.margin, minimum=0, optional=True)
         _check_int("amax_history_len", self.amax_history_len, minimum=1, optional=True)
         for name, recipes in RECIPE_ONLY_FIELDS.items():

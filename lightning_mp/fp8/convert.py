@@ -110,7 +110,9 @@ class ConversionReport:
         """Plain types, for JSON or a checkpoint."""
         return {
             "converted": [{"fqn": r.fqn, "kind": r.kind, "shape": list(r.shape)} for r in self.converted],
-            "skipped": [{"fqn": r.fqn, "kind": r.kind, "shape": list(r.shape), "reason": r.reason} for r in self.skipped],
+            "skipped": [
+                {"fqn": r.fqn, "kind": r.kind, "shape": list(r.shape), "reason": r.reason} for r in self.skipped
+            ],
             "linear_flop_share": self.linear_flop_share,
             "already_te": self.already_te,
             "weights": self.weights,

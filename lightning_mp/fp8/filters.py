@@ -214,7 +214,9 @@ class ModuleFilter:
         if problem:
             return problem
         if cfg.size_rule == "auto":
-            problem = size_problem(module, min_features=AUTO_MIN_FEATURES if cfg.min_features is None else cfg.min_features)
+            problem = size_problem(
+                module, min_features=AUTO_MIN_FEATURES if cfg.min_features is None else cfg.min_features
+            )
             if problem:
                 return problem
         for pname, p in module.named_parameters(recurse=False):

@@ -168,7 +168,10 @@ def fp8_support_problem(
         elif recipe == "block" and tuple(capability) < (9, 0):
             te_reason = "FP8 block scaling needs compute capability 9.0 or higher."
     if te_reason:
-        return f"fp8 recipe={recipe!r} ({cls}) cannot run on {name}: {te_reason.strip()} {_recipe_advice(recipe, capability)}"
+        return (
+            f"fp8 recipe={recipe!r} ({cls}) cannot run on {name}: {te_reason.strip()}"
+            f" {_recipe_advice(recipe, capability)}"
+        )
     return None
 
 
@@ -287,7 +290,9 @@ def build_recipe(config: FP8Config) -> Any:
     cls = getattr(module, name, None)
     if cls is None:
         raise FP8UnavailableError(
-            fp8_support_problem(device_type="cuda", te_version=te_version(), recipe=config.recipe, recipe_class_present=False)
+            fp8_support_problem(
+                device_type="cuda", te_version=te_version(), recipe=config.recipe, recipe_class_present=False
+            )
         )
     kwargs["fp8_format"] = getattr(module.Format, kwargs["fp8_format"])
     return cls(**kwargs)
@@ -776,7 +781,8 @@ class FP8Training:
             return
         if not isinstance(state, dict) or "recipe" not in state or not isinstance(state.get("modules", {}), dict):
             raise ValueError(
-                f"The checkpoint's FP8 state is corrupted: expected a dict with 'recipe' and 'modules', got {state!r:.200}."
+                "The checkpoint's FP8 state is corrupted: expected a dict with 'recipe' and 'modules',"
+                f" got {state!r:.200}."
             )
         if self._model is None:
             self._pending = state  # applied by convert()

@@ -117,7 +117,11 @@ def run_cell(recipe: str, optimizer: str, where: str, what: str, how: str, bias:
 
     recorder = StepRecorder()
     trainer = make_trainer(
-        plugin, max_steps=STEPS, callbacks=[recorder, SentinelMode()], accumulate_grad_batches=accumulate, accelerator="gpu"
+        plugin,
+        max_steps=STEPS,
+        callbacks=[recorder, SentinelMode()],
+        accumulate_grad_batches=accumulate,
+        accelerator="gpu",
     )
     trainer.fit(model)
 

@@ -351,7 +351,9 @@ class _RecordMicrobatchFlags(Callback):
     def on_train_start(self, trainer, pl_module):
         self.flags: list = []
         module = pl_module.model.blocks[0].fc1
-        module.register_forward_pre_hook(lambda m, a, kw: self.flags.append(kw.get("is_first_microbatch")), with_kwargs=True)
+        module.register_forward_pre_hook(
+            lambda m, a, kw: self.flags.append(kw.get("is_first_microbatch")), with_kwargs=True
+        )
 
 
 def test_gradient_accumulation_caches_fp8_weights():

@@ -41,12 +41,22 @@ class Regressor(TinyRegressor):
     def configure_optimizers(self):
         lr = self.lr * 0.2
         if self.te:
-            return FusedAdam(self.parameters(), lr=lr, weight_decay=0.01, master_weights=True, store_param_remainders=self.remainders)
+            return FusedAdam(
+                self.parameters(),
+                lr=lr,
+                weight_decay=0.01,
+                master_weights=True,
+                store_param_remainders=self.remainders,
+            )
         return torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=0.01, fused=True)
 
 
 def masters_of(opt) -> dict:
-    return {i: opt.get_unscaled_state(p, "master_param").cpu().clone() for i, p in enumerate(opt.param_groups[0]["params"]) if opt.state.get(p)}
+    return {
+        i: opt.get_unscaled_state(p, "master_param").cpu().clone()
+        for i, p in enumerate(opt.param_groups[0]["params"])
+        if opt.state.get(p)
+    }
 
 
 def fit(model, max_steps, plugin=None, ckpt_path=None, **kwargs):
@@ -103,7 +113,9 @@ def test_a_skipped_step_leaves_fused_adam_alone(where):
     class Watch(Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == poisoned:
-                seen["before"] = (masters_of(trainer.optimizers[0]), [p.detach().clone() for p in pl_module.parameters()])
+                seen["before"] = (
+                    masters_of(trainer.optimizers[0]), [p.detach().clone() for p in pl_module.parameters()]
+                )
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if batch_idx == poisoned:

@@ -51,7 +51,9 @@ def test_kill_and_resume_is_bit_identical(tmp_path, seed):
     ckpt = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, save_last=True, save_top_k=0)
     crashed = make(init)
     with pytest.raises(Crash):
-        make_trainer(plugin(), max_steps=STEPS, callbacks=[ckpt, KillAt(kill_step)], enable_checkpointing=True).fit(crashed)
+        make_trainer(
+            plugin(), max_steps=STEPS, callbacks=[ckpt, KillAt(kill_step)], enable_checkpointing=True
+        ).fit(crashed)
     last = tmp_path / "last.ckpt"
     assert torch.load(last, weights_only=True)["global_step"] == kill_step
 

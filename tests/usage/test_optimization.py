@@ -553,7 +553,9 @@ class OptSAMPoisoned(OptSAMModel):
         opt.step(closure=closure)
 
 
-@pytest.mark.parametrize(("mode", "kind"), [("fp32", None), ("bf16", None), ("bf16-true", "fp32"), ("bf16-true", "kahan")])
+@pytest.mark.parametrize(
+    ("mode", "kind"), [("fp32", None), ("bf16", None), ("bf16-true", "fp32"), ("bf16-true", "kahan")]
+)
 def test_closure_taking_optimizer_skips_a_poisoned_evaluation(mode, kind):
     model = OptSAMPoisoned()
     plugin = MPPlugin(mode, **({"master_weights": kind} if kind else {}))
