@@ -151,8 +151,11 @@ class SpikeGuard:
         if not isinstance(state, dict):
             raise ValueError(f"The checkpoint's spike-guard state must be a dict, not {type(state).__name__}.")
         values = state.get("values")
-        if not isinstance(values, Tensor) or values.dim() != 2 or values.shape[0] != 2 or not values.is_floating_point():
-            raise ValueError("The checkpoint's spike-guard window 'values' must be a float tensor of shape (2, window).")
+        shaped = isinstance(values, Tensor) and values.dim() == 2 and values.shape[0] == 2
+        if not shaped or not values.is_floating_point():
+            raise ValueError(
+                "The checkpoint's spike-guard window 'values' must be a float tensor of shape (2, window)."
+            )
         if not bool(torch.isfinite(values).all()):
             raise ValueError("The checkpoint's spike-guard window holds inf/NaN values: it is corrupted.")
         ints = {}
@@ -183,7 +186,8 @@ def _figure(value: Optional[Tensor], ref: Tensor) -> Tensor:
 
 def all_ranks_agree(flag: Tensor) -> Tensor:
     """Under torch.distributed, the MAX over ranks (enqueued on the device, no host sync)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flag = flag.float()
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return flag > 0

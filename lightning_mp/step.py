@@ -383,7 +383,10 @@ class OptimizerSteps:
         spike; it joins the skip verdict. Returns (spike, the inf/NaN verdict alone, the gradient norm)."""
         scaler = self.scaler
         inf_only = scaler.found_inf(optimizer)
-        inf_only = torch.zeros((), device=scaler.scale_device) if inf_only is None else inf_only.reshape(()).float().clone()
+        if inf_only is None:
+            inf_only = torch.zeros((), device=scaler.scale_device)
+        else:
+            inf_only = inf_only.reshape(()).float().clone()
         norm = state.norm if state.norm is not None else total_grad_norm(optimizer, sharded=scaler.sharded)
         if self._loss is None and norm is None:  # nothing to judge (no backward, no gradient)
             spike = torch.zeros((), dtype=torch.bool, device=scaler.scale_device)

@@ -137,7 +137,9 @@ def test_small_models_and_scaling_modes_get_no_hooks(monkeypatch, check_passes):
     monkeypatch.setattr(overlap, "DEVICE_TYPES", ("cuda", "cpu"))
     installed = []
     original = overlap.OverlappedCheck.install
-    monkeypatch.setattr(overlap.OverlappedCheck, "install", lambda self, opts, **kw: installed.append(original(self, opts, **kw)))
+    monkeypatch.setattr(
+        overlap.OverlappedCheck, "install", lambda self, opts, **kw: installed.append(original(self, opts, **kw))
+    )
     for mode in ("bf16", "fp16", "bf16-true"):
         opt_trainer(MPPlugin(mode), max_steps=1).fit(Net())
     assert installed == [False]  # bf16 asked (too small); fp16 unscales anyway, bf16-true checks its masters
