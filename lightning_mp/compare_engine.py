@@ -160,6 +160,7 @@ class _CudaMemory:
         #: the first CUDA work of the process allocates once, e.g. library workspaces, is nobody's), and the peaks
         #: of the warm-up are dropped
         self.rebase_to: Optional[int] = None
+        self._turns: Optional[list[int]] = None  # each timed turn's peak, once rebased
 
     def begin(self) -> None:
         torch.cuda.synchronize()
@@ -169,10 +170,14 @@ class _CudaMemory:
     def end(self) -> None:
         torch.cuda.synchronize()
         now, top = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        if self._turns is not None:  # after the warm-up: the mode's own state, plus what the turn allocated on top
+            self._turns.append(self.resident + top - self._start)
+            self.peak = int(statistics.median(self._turns))  # (one turn's one-time allocation is not the mode's)
+            return
         self.peak = max(self.peak, self.resident + top - self._start)
         self.resident += now - self._start
         if self.rebase_to is not None:
-            self.resident, self.peak, self.rebase_to = self.rebase_to, 0, None
+            self.resident, self.peak, self.rebase_to, self._turns = self.rebase_to, 0, None, []
 
 
 def _own_cuda_bytes(module: torch.nn.Module, optimizers: list, plugin: Any) -> int:

@@ -62,9 +62,13 @@ def test_a_small_model_is_called_launch_bound_not_an_fp32_win(tmp_path, capsys):
 def test_cuda_memory_is_per_mode_whatever_the_order(tmp_path):
     peaks = []
     for order in (["fp32", "bf16-true"], ["bf16-true", "fp32"]):
-        code, data, _ = _run(tmp_path, *SMALL, "--modes", *order, "--steps", "8", "--no-batch-probe")
+        medium = ["--model.width", "512", "--model.layers", "2", "--model.heads", "8", "--model.seq_len", "256",
+                  "--model.batch_size", "16"]  # activations well above the process's first allocations
+        code, data, _ = _run(tmp_path, *medium, "--modes", *order, "--steps", "8", "--no-batch-probe")
         assert code == 0
         peaks.append({r["mode"]: r["peak_mem_mib"] for r in data["results"]})
+    # a mode's own tensors plus what its turns allocate; the process's first CUDA work (library workspaces, ~16-100
+    # MiB on an H100) is not charged to whichever mode ran first: at most a few MiB of it remain
     for mode in ("fp32", "bf16-true"):
-        assert peaks[0][mode] == pytest.approx(peaks[1][mode], rel=0.05)
-    assert peaks[0]["bf16-true"] < peaks[0]["fp32"]
+        assert peaks[0][mode] == pytest.approx(peaks[1][mode], rel=0.05, abs=24)
+    assert peaks[0]["bf16-true"] < peaks[0]["fp32"] and peaks[1]["bf16-true"] < peaks[1]["fp32"]
