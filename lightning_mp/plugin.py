@@ -245,18 +245,17 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         return contextlib.nullcontext() if dtype is None else torch.autocast(self.device, dtype=dtype, cache_enabled=False)
 
     @override
-    @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
+    def forward_context(self) -> Any:  # type: ignore[override]
         dtype = self.mode.param_dtype if self.mode is not None else None
         # true-half: tensors made in forward match the half weights, as Lightning's HalfPrecision
-        with _DtypeContextManager(dtype) if dtype is not None else self.autocast_context_manager():
-            yield
+        return _DtypeContextManager(dtype) if dtype is not None else self.autocast_context_manager()
 
     def _step_context(self, training: bool) -> Any:
+        if self._fp8 is None or self.mode is None or not self.mode.fp8:
+            return self.forward_context()
         stack = contextlib.ExitStack()
         stack.enter_context(self.forward_context())
-        if self._fp8 is not None and self.mode is not None and self.mode.fp8:
-            stack.enter_context(self._fp8.autocast(training=training))
+        stack.enter_context(self._fp8.autocast(training=training))
         return stack
 
     @override
