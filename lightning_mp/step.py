@@ -190,7 +190,7 @@ class OptimizerSteps:
                 self._sums.start(self.masters.pending_sums())
 
     def after_backward(self, module: nn.Module) -> None:
-        if grads_synced(module):
+        if self._carry_sums and grads_synced(module):
             self._sums.wait()
 
     # ------------------------------------------------------------------ the step
