@@ -8,9 +8,10 @@ backward the verdict is one small reduction of those maxima.
 
 A maximum counts only for the gradient tensor it was taken from, at the version it had: anything that replaces or
 writes a gradient afterwards (DDP's all-reduce, a hook, an earlier micro-batch's gradient of a parameter the last
-one did not use) leaves the check to the usual pass after backward. Only models large enough for backward to be
-bound by the GPU get the hooks (:data:`MIN_NUMEL`): on a small model a launch per gradient would cost host time
-the GPU cannot hide.
+one did not use) leaves the check to the usual pass after backward; under several processes (DDP reduces, and a
+communication hook may compress, the gradients after these hooks) the usual pass runs. Only models large enough for
+backward to be bound by the GPU get the hooks (:data:`MIN_NUMEL`): on a small model a launch per gradient would cost
+host time the GPU cannot hide.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ class OverlappedCheck:
             return False
         device = params[0].device
         if device.type not in DEVICE_TYPES:
+            return False
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            # DDP reduces (and a comm hook may compress) the gradients after these hooks: the check after backward
+            # sees what the step applies
             return False
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in {id(p): p for p in params}.values()]

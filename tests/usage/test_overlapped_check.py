@@ -153,3 +153,11 @@ def test_with_the_spike_guard_the_gradient_norm_taken_during_backward_is_the_che
     opt_trainer(plugin, max_steps=8).fit(Net(poison_step=6))
     assert verdicts == [True] * 8 and passes == []
     assert plugin.stats.skipped_steps == 1 and plugin.stats.spike_skips == 0  # an inf: the check's, not a spike
+
+
+def test_several_processes_keep_the_check_after_backward(small_models_overlap, monkeypatch):
+    """Under DDP the gradients are reduced (and maybe compressed by a communication hook) after the hooks would take
+    their maxima: the check runs after backward on what the step applies."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    assert overlap.OverlappedCheck().install([torch.optim.SGD(Net().parameters(), lr=0.1)]) is False
