@@ -34,8 +34,8 @@ def test_chooser_picks_the_fastest_mode_within_thresholds():
     results = [
         row("fp32", 100.0),
         row("bf16", 40.0, drift=0.01),
-        row("fp16", 30.0, drift=0.02, skipped=20),  # fastest, but 20 % skipped
-        row("bf16-true", 35.0, drift=-0.08),  # fast, but drifts 8 %
+        row("fp16", 29.0, drift=0.02, skipped=20),  # fastest, but 20 % skipped
+        row("bf16-true", 34.0, drift=-0.08),  # fast, but drifts 8 %
         row("fp8", None, status="unsupported"),
         row("tf32", 20.0, status="failed"),
         row("lightning:bf16-mixed", 10.0),  # a baseline is never the advice
