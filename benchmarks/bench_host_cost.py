@@ -14,9 +14,9 @@ of ``--warmup`` + ``--steps`` steps with a fresh Trainer (the model keeps traini
 after the warm-up are timed, from ``on_train_batch_start`` to the next one (the cycle: the step, the hooks and
 the batch fetch). On a GPU a round gives one figure, its mean step (``torch.cuda.synchronize()`` at the first timed
 step and at the end only), and the statistics are over rounds. ``--cpu-time`` times the process's CPU time instead
-(with one torch thread, the host work alone: on a shared machine other processes do not show in it). The figure of a mode is the median over
-all its rounds' timed steps, with the interquartile range, from ``torch.utils.benchmark``'s ``Measurement``;
-``ratio`` is Lightning's median over ours (above 1: ours is faster).
+(with one torch thread, the host work alone: on a shared machine other processes do not show in it). The figure of
+a mode is the median over all its rounds' timed steps, with the interquartile range, from ``torch.utils.benchmark``'s
+``Measurement``; ``ratio`` is Lightning's median over ours (above 1: ours is faster).
 
 Run from the repository root::
 

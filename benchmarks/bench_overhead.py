@@ -475,7 +475,8 @@ def fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| mode | step ms | cycle ms | tokens/s | MFU | peak GiB | syncs/step | vs plain-bf16 | vs reference | reference |",
+        "| mode | step ms | cycle ms | tokens/s | MFU | peak GiB | syncs/step | vs plain-bf16 | vs reference"
+        " | reference |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -500,8 +501,9 @@ def true_half_table(rows: list[dict[str, Any]]) -> Optional[str]:
         return None
     plain, mixed, half = (by_mode.get(m) for m in ("plain-bf16", "lightning-bf16-mixed", "lightning-bf16-true"))
     lines = [
-        "| mode | step ms | speed vs plain-bf16 | speed vs lightning-bf16-mixed | peak GiB | peak vs lightning-bf16-mixed"
-        " | speed vs lightning-bf16-true | peak vs lightning-bf16-true | resident GiB | resident bytes/param |",
+        "| mode | step ms | speed vs plain-bf16 | speed vs lightning-bf16-mixed | peak GiB"
+        " | peak vs lightning-bf16-mixed | speed vs lightning-bf16-true | peak vs lightning-bf16-true | resident GiB"
+        " | resident bytes/param |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in chosen:
@@ -519,7 +521,9 @@ def true_half_table(rows: list[dict[str, Any]]) -> Optional[str]:
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument(
         "--modes",
         default=",".join(ALL_MODES),
@@ -527,7 +531,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode (default 3)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per mode; the median is reported (default 20)")
-    p.add_argument("--sync-steps", type=int, default=3, help="steps counted for host syncs after the timed ones (default 3; 0 skips)")
+    p.add_argument(
+        "--sync-steps",
+        type=int,
+        default=3,
+        help="steps counted for host syncs after the timed ones (default 3; 0 skips)",
+    )
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=32)
@@ -536,7 +545,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32768)
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peak-tflops", type=float, default=782.0, help="MFU denominator (default 782: H200 bf16 matmul ceiling)")
+    p.add_argument(
+        "--peak-tflops", type=float, default=782.0, help="MFU denominator (default 782: H200 bf16 matmul ceiling)"
+    )
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -616,8 +627,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = (
             f"error {row['error']}: {row.get('error_detail', '')}"
             if "error" in row
-            else f"step {row['step_ms']:.1f} ms, cycle {fmt(row['cycle_ms'], '.1f')} ms, peak {row['peak_gib']:.1f} GiB,"
-            f" syncs/step {fmt(row['syncs_per_step'], '.2f')}, final loss {row.get('final_loss', float('nan')):.4f}"
+            else f"step {row['step_ms']:.1f} ms, cycle {fmt(row['cycle_ms'], '.1f')} ms,"
+            f" peak {row['peak_gib']:.1f} GiB, syncs/step {fmt(row['syncs_per_step'], '.2f')},"
+            f" final loss {row.get('final_loss', float('nan')):.4f}"
         )
         print(f"[{mode}] {summary} ({row['wall_s']} s)", flush=True)
         if "plugin_stats" in row:

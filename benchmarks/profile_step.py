@@ -46,7 +46,11 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     batches = [torch.randint(0, 32768, (8, 513)) for _ in range(steps)]
-    kwargs = {"precision": precision[len("lightning-"):]} if precision.startswith("lightning-") else {"plugins": [MPPlugin(precision)]}
+    kwargs = (
+        {"precision": precision[len("lightning-"):]}
+        if precision.startswith("lightning-")
+        else {"plugins": [MPPlugin(precision)]}
+    )
 
     def fit(n: int) -> Lit:
         trainer = Trainer(accelerator="gpu", devices=1, max_steps=n, logger=False, enable_checkpointing=False,
@@ -82,7 +86,9 @@ def attribute(stats: pstats.Stats, steps: int) -> None:
     us = 1e6 / steps
     print(f"lightning_mp's own Python: {sum(t for t, *_ in own) * us:.1f} us a step; what it calls directly: "
           f"{sum(t for t, *_ in called) * us:.1f} us a step")
-    for tottime, where, ncalls in sorted(own, reverse=True)[:15] + [(0, "-- direct calls:", 0)] + sorted(called, reverse=True)[:15]:
+    for tottime, where, ncalls in (
+        sorted(own, reverse=True)[:15] + [(0, "-- direct calls:", 0)] + sorted(called, reverse=True)[:15]
+    ):
         print(f"  {tottime * us:8.1f} us  {where}  x{ncalls / steps:.1f}")
 
 

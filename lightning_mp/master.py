@@ -190,7 +190,9 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: Optional[torch.Ge
         noise = torch.randint(0, 1 << 16, x.shape, dtype=torch.int32, device=x.device, generator=generator)
         return (x.view(torch.int32) + noise).bitwise_and_(-65536).view(torch.float32).to(torch.bfloat16)
     if dtype is not torch.float16:
-        raise ValueError(f"stochastic_round: dtype={dtype} is not a 16-bit float (use torch.bfloat16 or torch.float16).")
+        raise ValueError(
+            f"stochastic_round: dtype={dtype} is not a 16-bit float (use torch.bfloat16 or torch.float16)."
+        )
     nearest = x.to(dtype)
     near32 = nearest.float()
     toward = torch.where(near32 > x, torch.full_like(nearest, -float("inf")), torch.full_like(nearest, float("inf")))
@@ -274,7 +276,9 @@ class MasterWeights:
 
     def name_parameters(self, module: nn.Module) -> None:
         """Name the parameters (for checkpoints) after ``module``'s ``named_parameters``."""
-        self._names.update({id(p): n for n, p in module.named_parameters(remove_duplicate=False) if id(p) not in self._names})
+        self._names.update(
+            {id(p): n for n, p in module.named_parameters(remove_duplicate=False) if id(p) not in self._names}
+        )
 
     def forget_others(self, keep: Iterable[Tensor]) -> None:
         """Drop what is kept for parameters not in ``keep`` (a model the Trainer no longer trains)."""
@@ -418,7 +422,10 @@ class MasterWeights:
 
     @staticmethod
     def take_rewritten(records: StepRecords) -> int:
-        """After hooks: half gradients that a hook replaced or wrote into become the fp32 gradients. Returns how many."""
+        """After hooks: half gradients that a hook replaced or wrote into become the fp32 gradients.
+
+        Returns how many.
+        """
         changed = 0
         with torch.no_grad():
             for r in records.records:
@@ -555,13 +562,16 @@ class MasterWeights:
 
     def _check_names(self, saved: Any, what: str) -> dict[str, nn.Parameter]:
         if not isinstance(saved, dict):
-            raise ValueError(f"master-weights state: '{what}' is a {type(saved).__name__}, not a dict: it is corrupted.")
+            raise ValueError(
+                f"master-weights state: '{what}' is a {type(saved).__name__}, not a dict: it is corrupted."
+            )
         params = self.named_params()
         unknown = sorted(set(saved) - set(params))
         if unknown:
             raise ValueError(
                 f"master-weights state does not fit this model: {what} for unknown parameters {unknown[:5]}"
-                f"{' ...' if len(unknown) > 5 else ''}. The checkpoint was written for another model or optimizer set-up."
+                f"{' ...' if len(unknown) > 5 else ''}."
+                " The checkpoint was written for another model or optimizer set-up."
             )
         for name, tensor in saved.items():
             if not isinstance(tensor, Tensor) or tensor.shape != params[name].shape:
@@ -570,7 +580,9 @@ class MasterWeights:
                     f"master-weights state: {what} of {name!r} is {got}, the parameter is {tuple(params[name].shape)}."
                 )
             if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(f"master-weights state: {what} of {name!r} holds inf/NaN: the checkpoint is corrupted.")
+                raise ValueError(
+                    f"master-weights state: {what} of {name!r} holds inf/NaN: the checkpoint is corrupted."
+                )
         return params
 
     def _entry_by_name(self) -> dict[str, _Entry]:

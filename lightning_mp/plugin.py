@@ -124,12 +124,16 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
                       scaler_kwargs=scaler_kwargs)  # fmt: skip
         check_spike_options(spike_sigma, spike_window)
         if spike_sigma is not None and not skip_nonfinite:
-            raise ValueError(f"spike_sigma={spike_sigma!r} skips steps as the inf/NaN check does: it needs skip_nonfinite=True.")
+            raise ValueError(
+                f"spike_sigma={spike_sigma!r} skips steps as the inf/NaN check does: it needs skip_nonfinite=True."
+            )
         self.spike_sigma, self.spike_window = spike_sigma, spike_window
         self._spike = SpikeGuard(spike_sigma, spike_window) if spike_sigma is not None else None
         requested = parse_precision(precision)
         if fp8 is not None and not uses_fp8_settings(requested):
-            rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={requested!r}; they take effect with 'fp8'.")
+            rank_zero_warn(
+                f"MPPlugin: fp8 settings are given but precision={requested!r}; they take effect with 'fp8'."
+            )
         self.max_consecutive_skips, self.hold_schedulers_on_skip = max_consecutive_skips, hold_schedulers_on_skip
         self.release_grads_after_step = release_grads_after_step
         self.fp32_guards = FP32GuardSpec.from_arg(fp32_modules)
@@ -173,7 +177,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
-        self._run.set_sharded(distributed.check_strategy(distributed.strategy_of(module), self.mode, self.master_weights))
+        self._run.set_sharded(
+            distributed.check_strategy(distributed.strategy_of(module), self.mode, self.master_weights)
+        )
         self.stats.set_scaler(self.scaler)
         device = distributed.root_device(distributed.unwrap_lightning_module(module), module)
         spec = self.fp32_guards
@@ -183,7 +189,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             spec = spec.without_autocast_fp32()
         guarded = apply_fp32_guards(module, spec)
         self._guarded_classes = tuple({type(module.get_submodule(name)) for name in guarded})
-        if self._run.sharded and guarded and distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None:
+        if (
+            self._run.sharded
+            and guarded
+            and distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None
+        ):
             distributed.check_fsdp_wraps_guards(module, guarded, self.mode, self.fsdp_param_dtype)
         if not self._run.sharded:  # (FSDP: the fp32 shards are the masters; it gathers half weights)
             cast_weights_(module, self.mode, guarded)
@@ -198,7 +208,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._run.connect(device)
         announce(self, module)  # rank zero, once per fit: "lightning_mp: using bf16 mixed precision (...) on cuda"
         self.stats.set_scaler(self.scaler)
-        self._fsdp_root = distributed.connect(model, self.scaler, self.reduce_dtype, self.fsdp_param_dtype, self._comm_hooked)
+        self._fsdp_root = distributed.connect(
+            model, self.scaler, self.reduce_dtype, self.fsdp_param_dtype, self._comm_hooked
+        )
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         masters = self._weights.connect(self.mode, module or model, raw, fsdp=self._fsdp_root is not None)
         self._steps = OptimizerSteps(
@@ -226,7 +238,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     @property
     def mixed_precision_config(self) -> Any:
         """The ``torch.distributed.fsdp.MixedPrecision`` Lightning's FSDP strategy wraps the model with."""
-        return distributed.fsdp_mixed_precision(self.mode, self.fsdp_param_dtype, self.reduce_dtype, self._guarded_classes)
+        return distributed.fsdp_mixed_precision(
+            self.mode, self.fsdp_param_dtype, self.reduce_dtype, self._guarded_classes
+        )
 
     # not FSDPPrecision's: weights are created in fp32, outputs are left as they are
     tensor_init_context, module_init_context = Precision.tensor_init_context, Precision.module_init_context
@@ -235,14 +249,22 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     @override
     def convert_input(self, data: Any) -> Any:
         dtype = self.mode.param_dtype if self.mode is not None else None
-        return data if dtype is None else apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=dtype)
+        return (
+            data
+            if dtype is None
+            else apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=dtype)
+        )
 
     # ------------------------------------------------------------------ forward
     @override
     def autocast_context_manager(self) -> Any:
         dtype = self.mode.autocast_dtype if self.mode is not None else None
         # no weight-cast cache: in manual optimization the optimizer steps inside this context
-        return contextlib.nullcontext() if dtype is None else torch.autocast(self.device, dtype=dtype, cache_enabled=False)
+        return (
+            contextlib.nullcontext()
+            if dtype is None
+            else torch.autocast(self.device, dtype=dtype, cache_enabled=False)
+        )
 
     @override
     def forward_context(self) -> Any:  # type: ignore[override]
@@ -307,11 +329,18 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self._steps.hooks_ran(optimizer)  # what hooks wrote is what the step applies
-        self._clip_gradients(model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm)
+        self._clip_gradients(
+            model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
+        )
         self._steps.hooks_ran(optimizer, clipping=True)  # a configure_gradient_clipping override may write too
 
     @override
-    def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0, gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
         if clip_val <= 0:
             return
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer in manual optimization

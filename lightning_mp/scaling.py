@@ -657,7 +657,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ what lightning_mp.step uses
     @classmethod
     def adopt(cls, given: torch.amp.GradScaler, *, sharded: bool = False) -> "DynamicLossScaler":
-        """The scaler a user handed to ``MPPlugin(scaler=...)``: ours as it is; torch's settings and state carried over."""
+        """The scaler a user handed to ``MPPlugin(scaler=...)``: ours as it is; torch's settings and state
+        carried over.
+        """
         if isinstance(given, DynamicLossScaler):
             return given
         if not isinstance(given, torch.amp.GradScaler):

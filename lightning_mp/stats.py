@@ -103,10 +103,14 @@ class OptimizerStats:
         for key in ("steps", "skipped_steps", "consecutive_skips"):
             value = state.get(key, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"The checkpoint's step counter {key}={value!r} is corrupted: it must be an integer >= 0.")
+                raise ValueError(
+                    f"The checkpoint's step counter {key}={value!r} is corrupted: it must be an integer >= 0."
+                )
             values[key] = value
         self._pending.clear()
-        self.steps, self._skipped_steps, self._consecutive = values["steps"], values["skipped_steps"], values["consecutive_skips"]
+        self.steps, self._skipped_steps, self._consecutive = (
+            values["steps"], values["skipped_steps"], values["consecutive_skips"]
+        )
         self._last = self._consecutive > 0
 
 

@@ -72,7 +72,9 @@ class BNNet(LightningModule):
 
     def loader(self):
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(128, 32, generator=g), torch.randn(128, 1, generator=g)), batch_size=16)
+        return DataLoader(
+            TensorDataset(torch.randn(128, 32, generator=g), torch.randn(128, 1, generator=g)), batch_size=16
+        )
 
     train_dataloader = val_dataloader = predict_dataloader = loader
 
@@ -167,7 +169,9 @@ class TwoOptimizers(LightningModule):
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g)), batch_size=8)
+        return DataLoader(
+            TensorDataset(torch.randn(256, 16, generator=g), torch.randn(256, 1, generator=g)), batch_size=8
+        )
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16-true"])
@@ -251,7 +255,9 @@ def test_the_check_taken_on_a_side_stream_during_backward_gives_the_same_steps_a
 
         def train_dataloader(self):
             g = torch.Generator().manual_seed(1)
-            return DataLoader(TensorDataset(torch.randn(64, 64, generator=g), torch.randn(64, 1, generator=g)), batch_size=8)
+            return DataLoader(
+                TensorDataset(torch.randn(64, 64, generator=g), torch.randn(64, 1, generator=g)), batch_size=8
+            )
 
     def run(min_numel, poison=None):
         monkeypatch.setattr(overlap, "MIN_NUMEL", min_numel)
