@@ -180,19 +180,27 @@ class _CudaMemory:
             self.resident, self.peak, self.rebase_to, self._turns = self.rebase_to, 0, None, []
 
 
-def _own_cuda_bytes(module: torch.nn.Module, optimizers: list, plugin: Any) -> int:
-    """Bytes of the CUDA tensors a mode holds between steps: weights, gradients, buffers, optimizer state, masters."""
-    seen: set = set()
-    total = 0
+def _state_tensors(module: torch.nn.Module, optimizers: list, plugin: Any) -> list[Any]:
+    """What a mode holds between steps: weights, gradients, buffers, the optimizers' parameters and state, masters."""
     tensors: list[Any] = [*module.parameters(), *(p.grad for p in module.parameters()), *module.buffers()]
     for opt in optimizers:
+        for group in getattr(opt, "param_groups", []):
+            tensors.extend(group["params"])
+            tensors.extend(p.grad for p in group["params"])
         for state in getattr(opt, "state", {}).values():
             tensors.extend(state.values() if isinstance(state, dict) else ())
     masters = getattr(plugin, "masters", None)
     if masters is not None and hasattr(masters, "tensors"):
         tensors.extend(masters.tensors())
+    return tensors
+
+
+def _storage_bytes(tensors: list[Any], cuda_only: bool = False) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (non-tensors skipped)."""
+    seen: set = set()
+    total = 0
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.is_cuda:
+        if isinstance(t, torch.Tensor) and (t.is_cuda or not cuda_only):
             key = _storage_key(t)
             if key is not None and key not in seen:
                 seen.add(key)
@@ -237,37 +245,10 @@ class _StepMemory:
             self._hooks = None
 
     def count_state(self, module: torch.nn.Module, optimizers: list, plugin: Any) -> None:
-        seen: set = set()
-        total = 0
-
-        def add(t: Any) -> None:
-            nonlocal total
-            if isinstance(t, torch.Tensor):
-                key = _storage_key(t)
-                if key is not None and key not in seen:
-                    seen.add(key)
-                    total += t.untyped_storage().nbytes()
-
-        for p in module.parameters():
-            add(p)
-            if p.grad is not None:
-                add(p.grad)
-            elif p.requires_grad:  # released right after the step, but it exists at the peak
-                total += p.numel() * p.element_size()
-        for b in module.buffers():
-            add(b)
-        for opt in optimizers:
-            for group in getattr(opt, "param_groups", []):
-                for p in group["params"]:
-                    add(p)
-                    add(p.grad)
-            for state in getattr(opt, "state", {}).values():
-                for value in state.values() if isinstance(state, dict) else ():
-                    add(value)
-        masters = getattr(plugin, "masters", None)
-        for t in masters.tensors() if masters is not None and hasattr(masters, "tensors") else ():
-            add(t)
-        self.state_bytes = total
+        released = sum(  # gradients released right after the step exist at the peak all the same
+            p.numel() * p.element_size() for p in module.parameters() if p.grad is None and p.requires_grad
+        )
+        self.state_bytes = _storage_bytes(_state_tensors(module, optimizers, plugin)) + released
 
     @property
     def mib(self) -> float:
@@ -419,7 +400,8 @@ def _make_pace(p: _Participant, scheduler: _Scheduler, device_type: str, untimed
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             if p.cuda_memory is not None and p.round is None and p.budget == 0 and self._index <= memory_step:
                 # the last step of the warm-up turn: from here the mode is charged for its own tensors only
-                p.cuda_memory.rebase_to = _own_cuda_bytes(pl_module, list(trainer.optimizers), trainer.precision_plugin)
+                own = _state_tensors(pl_module, list(trainer.optimizers), trainer.precision_plugin)
+                p.cuda_memory.rebase_to = _storage_bytes(own, cuda_only=True)
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             if isinstance(loss, torch.Tensor):
                 self._micro.append(loss.detach().float().reshape(()))

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_mp.modes import PrecisionMode
+from lightning_mp.scaling import _is_dtensor
 
 REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -170,6 +171,15 @@ def check_fsdp_wraps_guards(
             f" {_gather_reason(mode, fsdp_param_dtype, short=True)}"
             + (", or leave fsdp_param_dtype unset (fp32 gathers)." if not true_half else ".")
         )
+
+
+def clip_grad_norm(fsdp_root: Any, params: list[Tensor], clip_val: float) -> Tensor:
+    """Clip by the total norm and return it: over every rank's shards (FSDP's root ``clip_grad_norm_``, or the
+    DTensor norm of FSDP2), else torch's ``clip_grad_norm_``."""
+    if fsdp_root is not None:
+        return fsdp_root.clip_grad_norm_(clip_val)
+    norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
+    return norm.full_tensor() if _is_dtensor(norm) else norm
 
 
 def connect(

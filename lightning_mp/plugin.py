@@ -33,14 +33,13 @@ from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
 from lightning_mp.master import parse_master_weights
 from lightning_mp.modes import PrecisionMode, parse_precision, uses_fp8_settings
-from lightning_mp.options import announce, check_flags, check_options, describe, plugin_compute_dtype
-from lightning_mp.scaling import _is_dtensor
-from lightning_mp.spike import SpikeGuard, check_spike_options
-from lightning_mp.schedulers import SchedulerHold
+from lightning_mp.options import SCALER_DEFAULTS, announce, check_flags, check_options, describe, plugin_compute_dtype
 from lightning_mp.run_precision import RunPrecision
-from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
+from lightning_mp.schedulers import SchedulerHold
+from lightning_mp.spike import make_spike_guard
 from lightning_mp.stats import StepStats
 from lightning_mp.step import OptimizerSteps
+from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
 
 
 class MPPlugin(MixedPrecision, FSDPPrecision):
@@ -57,30 +56,25 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     Args:
         precision: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"bf16-true"``, ``"fp16-true"``, ``"fp8"`` or
             ``"auto"``; Lightning's strings (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ...) are aliases.
-        device: as ``MixedPrecision``'s: the device type the scaler starts on (the Trainer's device wins at set-up).
-        scaler: as ``MixedPrecision``'s (fp16 modes): the scaler used; a ``torch.amp.GradScaler`` becomes a
-            :class:`~lightning_mp.DynamicLossScaler` in place (settings and state kept).
+        device, scaler: as ``MixedPrecision``'s: the device type the scaler starts on (the Trainer's wins at set-up);
+            the scaler (fp16): a ``torch.amp.GradScaler`` becomes a :class:`~lightning_mp.DynamicLossScaler` in place.
         init_scale, growth_factor, backoff_factor, growth_interval: the dynamic loss scale (fp16), as GradScaler's.
-        hysteresis, consecutive_hysteresis: overflowing steps before the scale backs off (1 = at once); refill the
-            budget on every clean step (``True``) or only when the scale grows (``False``, Megatron-LM's).
-        min_scale, max_scale: floor and cap of the loss scale (fp16).
-        loss_scale: a number gives a static loss scale instead of a dynamic one (fp16).
+        hysteresis, consecutive_hysteresis: overflowing steps before a backoff (1 = at once); refill that budget on
+            every clean step (``True``) or only on growth (``False``, Megatron-LM's). ``min_scale``, ``max_scale``:
+            floor and cap. ``loss_scale``: a number gives a static loss scale (all fp16).
         skip_nonfinite: skip optimizer steps whose gradients hold inf/NaN, in every mode (fp16 always skips).
-        max_consecutive_skips: stop with :class:`NonFiniteTrainingError` after this many skipped steps in a row of
-            one optimizer; ``None`` never stops.
-        hold_schedulers_on_skip: do not step step-interval LR schedulers after a skipped optimizer step.
+        max_consecutive_skips: stop (:class:`NonFiniteTrainingError`) after this many skips in a row; ``None``: never.
+        hold_schedulers_on_skip, release_grads_after_step: hold step-interval LR schedulers after a skipped step;
+            gradients to ``None`` right after the step (automatic optimization).
         tf32: ``True``/``False`` sets TF32 matmul/cuDNN for the run (restored at teardown); ``None``: the mode's.
-        release_grads_after_step: gradients to ``None`` right after the step (automatic optimization).
-        fp32_modules: modules that run in fp32: class names, module-name patterns, classes, ``"defaults"``
-            (norms, softmax, losses); ``None``: the defaults; ``[]``: no guards. See :mod:`lightning_mp.guards`.
-        master_weights: ``"fp32"`` (default), ``"kahan"``, ``"stochastic"``, ``"none"`` or ``"optimizer"``
-            (``bf16-true``/``fp16-true`` only; see :mod:`lightning_mp.master`); ``True``/``False``: fp32/none.
+        fp32_modules: modules run in fp32 (class names, name patterns, classes, ``"defaults"``); ``None``: the
+            defaults (norms, softmax, losses); ``[]``: none. ``master_weights``: ``"fp32"`` (default), ``"kahan"``,
+            ``"stochastic"``, ``"none"``, ``"optimizer"`` (true-half modes; :mod:`lightning_mp.master`).
         fp8: :class:`~lightning_mp.fp8.FP8Config` or a dict of its fields, for ``precision="fp8"``.
         reduce_dtype, fsdp_param_dtype: the dtype gradients are reduced in across ranks, and the dtype FSDP gathers
             parameters in for compute (``"fp32"``/None, ``"bf16"``, ``"fp16"``).
-        spike_sigma, spike_window: the loss-spike guard (off by default): skip a step whose loss or gradient norm
-            exceeds mean + ``spike_sigma`` standard deviations of the last ``spike_window`` clean steps, as an
-            inf/NaN step is skipped (see :mod:`lightning_mp.spike`).
+        spike_sigma, spike_window: skip, as an inf/NaN step, a step whose loss or gradient norm exceeds mean +
+            ``spike_sigma`` std of the last ``spike_window`` clean steps (off by default; :mod:`lightning_mp.spike`).
     """
 
     def __init__(
@@ -112,28 +106,18 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         spike_window: int = 128,
     ) -> None:
         # not MixedPrecision.__init__: it needs the device up front and knows two modes only
-        scaler_kwargs = dict(
-            init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, hysteresis=hysteresis, consecutive_hysteresis=consecutive_hysteresis,
-            min_scale=min_scale, max_scale=max_scale, loss_scale=loss_scale,
-        )  # fmt: skip
+        arguments = locals()
+        scaler_kwargs = {name: arguments[name] for name in SCALER_DEFAULTS}  # init_scale ... loss_scale
         check_flags(skip_nonfinite=skip_nonfinite, hold_schedulers_on_skip=hold_schedulers_on_skip,
                     release_grads_after_step=release_grads_after_step, consecutive_hysteresis=consecutive_hysteresis)
         check_options(loss_scale=loss_scale, max_consecutive_skips=max_consecutive_skips, tf32=tf32,
                       reduce_dtype=reduce_dtype, fsdp_param_dtype=fsdp_param_dtype, device=device,
                       scaler_kwargs=scaler_kwargs)  # fmt: skip
-        check_spike_options(spike_sigma, spike_window)
-        if spike_sigma is not None and not skip_nonfinite:
-            raise ValueError(
-                f"spike_sigma={spike_sigma!r} skips steps as the inf/NaN check does: it needs skip_nonfinite=True."
-            )
+        self._spike = make_spike_guard(spike_sigma, spike_window, skip_nonfinite)
         self.spike_sigma, self.spike_window = spike_sigma, spike_window
-        self._spike = SpikeGuard(spike_sigma, spike_window) if spike_sigma is not None else None
         requested = parse_precision(precision)
         if fp8 is not None and not uses_fp8_settings(requested):
-            rank_zero_warn(
-                f"MPPlugin: fp8 settings are given but precision={requested!r}; they take effect with 'fp8'."
-            )
+            rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={requested!r}; they apply to 'fp8'.")
         self.max_consecutive_skips, self.hold_schedulers_on_skip = max_consecutive_skips, hold_schedulers_on_skip
         self.release_grads_after_step = release_grads_after_step
         self.fp32_guards = FP32GuardSpec.from_arg(fp32_modules)
@@ -149,8 +133,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._steps: Optional[OptimizerSteps] = None
         self._hold = SchedulerHold()
         self._comm_hooked, self._fsdp_root = [], None  # DDP models given a reduce_dtype hook; the root FSDP module
-        self._guarded_classes: tuple[type, ...] = ()
-        self._converted: Optional[torch.nn.Module] = None
+        self._guarded_classes, self._converted = (), None  # (guarded module types; the module convert_module saw)
 
     # ------------------------------------------------------------------ the mode (held by RunPrecision)
     mode = property(lambda self: self._run.mode, doc="The precision mode in force (``None`` for auto until set-up).")
@@ -165,8 +148,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     compute_dtype = plugin_compute_dtype  # the dtype matmuls run in (lightning_mp.ThroughputMonitor reads it)
 
     def set_precision(self, precision: str) -> PrecisionMode:
-        """Switch among ``fp32``, ``tf32``, ``bf16`` and ``fp16`` between two optimizer steps (``PrecisionSchedule``);
-        counters and the loss scale carry over. Raises before changing anything if the device cannot run the mode."""
+        """Switch among fp32/tf32/bf16/fp16 between steps (``PrecisionSchedule``); counters and the scale carry over."""
         mode = self._run.switch(precision, started=self._converted is not None)
         self.stats.set_scaler(self.scaler)
         if self._steps is not None:
@@ -177,23 +159,18 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
-        self._run.set_sharded(
-            distributed.check_strategy(distributed.strategy_of(module), self.mode, self.master_weights)
-        )
+        strategy = distributed.strategy_of(module)
+        self._run.set_sharded(distributed.check_strategy(strategy, self.mode, self.master_weights))
         self.stats.set_scaler(self.scaler)
         device = distributed.root_device(distributed.unwrap_lightning_module(module), module)
         spec = self.fp32_guards
         if self.mode is not None and not self.mode.true_half and device.type == "cuda":
-            # fp32 weights: CUDA autocast (any mode a schedule may switch to) and TE's fused norms compute these in
-            # fp32 already, and in fp32/tf32 they are fp32 anyway; a hook would only add host time
+            # fp32 weights: CUDA autocast (any mode a schedule switches to) and TE's norms run these in fp32 already
             spec = spec.without_autocast_fp32()
         guarded = apply_fp32_guards(module, spec)
         self._guarded_classes = tuple({type(module.get_submodule(name)) for name in guarded})
-        if (
-            self._run.sharded
-            and guarded
-            and distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None
-        ):
+        half_gathers = distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None
+        if self._run.sharded and guarded and half_gathers:
             distributed.check_fsdp_wraps_guards(module, guarded, self.mode, self.fsdp_param_dtype)
         if not self._run.sharded:  # (FSDP: the fp32 shards are the masters; it gathers half weights)
             cast_weights_(module, self.mode, guarded)
@@ -208,9 +185,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._run.connect(device)
         announce(self, module)  # rank zero, once per fit: "lightning_mp: using bf16 mixed precision (...) on cuda"
         self.stats.set_scaler(self.scaler)
-        self._fsdp_root = distributed.connect(
-            model, self.scaler, self.reduce_dtype, self.fsdp_param_dtype, self._comm_hooked
-        )
+        dtypes = (self.reduce_dtype, self.fsdp_param_dtype)
+        self._fsdp_root = distributed.connect(model, self.scaler, *dtypes, self._comm_hooked)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         masters = self._weights.connect(self.mode, module or model, raw, fsdp=self._fsdp_root is not None)
         self._steps = OptimizerSteps(
@@ -230,17 +206,15 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def teardown(self) -> None:
         self._run.teardown()  # TF32 flags and TE's own amax reduction back
         if self._steps is not None:
-            self._steps.end_batch()
-            self._steps.close()
+            self._steps.close()  # the last batch ends, the gradient hooks go
         self._hold.remove()
         super().teardown()
 
     @property
     def mixed_precision_config(self) -> Any:
         """The ``torch.distributed.fsdp.MixedPrecision`` Lightning's FSDP strategy wraps the model with."""
-        return distributed.fsdp_mixed_precision(
-            self.mode, self.fsdp_param_dtype, self.reduce_dtype, self._guarded_classes
-        )
+        dtypes = (self.fsdp_param_dtype, self.reduce_dtype)
+        return distributed.fsdp_mixed_precision(self.mode, *dtypes, self._guarded_classes)
 
     # not FSDPPrecision's: weights are created in fp32, outputs are left as they are
     tensor_init_context, module_init_context = Precision.tensor_init_context, Precision.module_init_context
@@ -249,22 +223,16 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     @override
     def convert_input(self, data: Any) -> Any:
         dtype = self.mode.param_dtype if self.mode is not None else None
-        return (
-            data
-            if dtype is None
-            else apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=dtype)
-        )
+        return data if dtype is None else apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=dtype)
 
     # ------------------------------------------------------------------ forward
     @override
     def autocast_context_manager(self) -> Any:
         dtype = self.mode.autocast_dtype if self.mode is not None else None
         # no weight-cast cache: in manual optimization the optimizer steps inside this context
-        return (
-            contextlib.nullcontext()
-            if dtype is None
-            else torch.autocast(self.device, dtype=dtype, cache_enabled=False)
-        )
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device, dtype=dtype, cache_enabled=False)
 
     @override
     def forward_context(self) -> Any:  # type: ignore[override]
@@ -275,10 +243,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def _step_context(self, training: bool) -> Any:
         if self._fp8 is None or self.mode is None or not self.mode.fp8:
             return self.forward_context()
-        stack = contextlib.ExitStack()
-        stack.enter_context(self.forward_context())
-        stack.enter_context(self._fp8.autocast(training=training))
-        return stack
+        return _entered(self.forward_context(), self._fp8.autocast(training=training))
 
     @override
     @contextlib.contextmanager
@@ -301,11 +266,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         if self._steps is not None:
-            self._steps.saw_loss(tensor)  # (the spike guard's figure)
+            self._steps.before_backward(module, tensor)  # the spike guard's loss; true-half sums in fp32
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
-        if self._steps is not None:
-            self._steps.before_backward(module)  # true-half micro-batches sum in fp32
         return Precision.pre_backward(self, tensor, module)
 
     @override
@@ -329,18 +292,13 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
         self._steps.hooks_ran(optimizer)  # what hooks wrote is what the step applies
-        self._clip_gradients(
-            model, optimizer, trainer.gradient_clip_val, gradient_clip_algorithm=trainer.gradient_clip_algorithm
-        )
+        clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
+        self._clip_gradients(model, optimizer, clip[0], gradient_clip_algorithm=clip[1])
         self._steps.hooks_ran(optimizer, clipping=True)  # a configure_gradient_clipping override may write too
 
     @override
-    def clip_gradients(
-        self,
-        optimizer: Optimizer,
-        clip_val: Union[int, float] = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
+    def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,
+                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
         if clip_val <= 0:
             return
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer in manual optimization
@@ -358,11 +316,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        if self._fsdp_root is not None:
-            norm = self._fsdp_root.clip_grad_norm_(clip_val)  # the norm over every rank's shards
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(self.main_params(optimizer), clip_val)
-            norm = norm.full_tensor() if _is_dtensor(norm) else norm  # FSDP2: the norm of all shards
+        norm = distributed.clip_grad_norm(self._fsdp_root, self.main_params(optimizer), clip_val)
         if self._steps is not None:
             self._steps.record_norm(optimizer, norm)  # the norm read every gradient: it is the verdict
 
@@ -378,11 +332,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        load_plugin_state(
-            state_dict, current_mode=self._run.name, scaler=self.scaler,
-            masters=self.masters, master_weights=self.master_weights, fp8=self._fp8, stats=self.stats,
-            module=self._converted, spike=self._spike,
-        )  # fmt: skip
+        parts = dict(scaler=self.scaler, masters=self.masters, master_weights=self.master_weights, fp8=self._fp8)
+        load_plugin_state(state_dict, current_mode=self._run.name, stats=self.stats, module=self._converted,
+                          spike=self._spike, **parts)  # fmt: skip
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -390,3 +342,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint:
             self.load_state_dict(checkpoint["MixedPrecision"])
 
+
+def _entered(*managers: Any) -> contextlib.ExitStack:
+    """The context managers entered now, left together when the returned stack closes."""
+    stack = contextlib.ExitStack()
+    for manager in managers:
+        stack.enter_context(manager)
+    return stack

@@ -27,6 +27,19 @@ from torch import Tensor
 MIN_WINDOW = 8
 
 
+def make_spike_guard(spike_sigma: Any, spike_window: Any, skip_nonfinite: bool) -> Optional["SpikeGuard"]:
+    """``MPPlugin``'s spike options checked (``ValueError`` naming the bad value and what is accepted), and the guard
+    they ask for (``None``: off)."""
+    check_spike_options(spike_sigma, spike_window)
+    if spike_sigma is None:
+        return None
+    if not skip_nonfinite:
+        raise ValueError(
+            f"spike_sigma={spike_sigma!r} skips steps as the inf/NaN check does: it needs skip_nonfinite=True."
+        )
+    return SpikeGuard(spike_sigma, spike_window)
+
+
 def check_spike_options(spike_sigma: Any, spike_window: Any) -> None:
     """Raise ``ValueError`` naming the bad value and what is accepted."""
     if spike_sigma is not None and (
@@ -195,9 +208,9 @@ def all_ranks_agree(flag: Tensor) -> Tensor:
 
 
 def total_grad_norm(optimizer: Any, *, sharded: bool = False) -> Optional[Tensor]:
-    """The L2 norm of every gradient ``optimizer`` holds (shards summed over ranks when ``sharded``), on the device;
-    ``None`` without gradients."""
-    per_key: dict[tuple, list[Tensor]] = {}
+    """The L2 norm of every gradient ``optimizer`` holds (torch's ``get_total_norm``; shards summed over ranks when
+    ``sharded``), on the device; ``None`` without gradients."""
+    grads = []
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
@@ -208,14 +221,12 @@ def total_grad_norm(optimizer: Any, *, sharded: bool = False) -> Optional[Tensor
             if hasattr(grad, "to_local"):  # a DTensor shard (FSDP2)
                 grad, sharded = grad.to_local(), True
             if grad.numel():
-                per_key.setdefault((grad.device, grad.dtype), []).append(grad)
-    if not per_key:
+                grads.append(grad)
+    if not grads:
         return None
-    squares = [
-        torch.stack(torch._foreach_norm(grads, 2.0)).float().square().sum() for grads in per_key.values()
-    ]
-    device = squares[0].device
-    total = squares[0] if len(squares) == 1 else torch.stack([s.to(device) for s in squares]).sum()
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=None).float()
     if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM)
-    return total.sqrt()
+        squares = norm.square()
+        torch.distributed.all_reduce(squares, op=torch.distributed.ReduceOp.SUM)
+        return squares.sqrt()
+    return norm

@@ -138,7 +138,8 @@ class OptimizerSteps:
             self._overlap.install(optimizers, norm=2.0 if self.spike is not None else math.inf)
 
     def close(self) -> None:
-        """The run is over: the gradient hooks go."""
+        """The run is over: the last batch ends, the gradient hooks go."""
+        self.end_batch()
         self._overlap.remove()
 
     def _accumulating(self) -> bool:
@@ -158,12 +159,6 @@ class OptimizerSteps:
         if self.scaler is not None and module is not None and not self.buffers.taken:
             self.buffers.take(module, optimizers)
 
-    def saw_loss(self, loss: Tensor) -> None:
-        """Backward is about to run on ``loss`` (the spike guard sums them until the step: with accumulation,
-        Lightning's loss divided by ``accumulate_grad_batches``, so the micro-batches' mean)."""
-        if self.spike is not None and isinstance(loss, Tensor) and loss.numel() == 1:
-            loss = loss.detach().reshape(()).float()
-            self._loss = loss if self._loss is None else self._loss + loss
 
     def end_batch(self) -> None:
         """A training batch ended (manual optimization: ``training_step`` returned): one scale update."""
@@ -177,12 +172,17 @@ class OptimizerSteps:
         for state in self._optimizers.values():
             state.stage = Stage.READY
 
-    def before_backward(self, module: nn.Module) -> None:
-        """Micro-batch gradients of true-half parameters sum in fp32: move the half ones there first.
+    def before_backward(self, module: nn.Module, loss: Optional[Tensor] = None) -> None:
+        """Backward is about to run on ``loss`` (unscaled). The spike guard sums the losses until the step (with
+        accumulation, Lightning's loss divided by ``accumulate_grad_batches``: the micro-batches' mean).
 
-        Under DDP's ``no_sync`` the sums are this rank's: they are reduced (in fp32) while the window's last
-        backward runs, whose half gradients DDP reduces as usual.
+        Micro-batch gradients of true-half parameters sum in fp32: the half ones move there first. Under DDP's
+        ``no_sync`` the sums are this rank's: they are reduced (in fp32) while the window's last backward runs,
+        whose half gradients DDP reduces as usual.
         """
+        if self.spike is not None and isinstance(loss, Tensor) and loss.numel() == 1:
+            loss = loss.detach().reshape(()).float()
+            self._loss = loss if self._loss is None else self._loss + loss
         self._overlap.arm()
         if self._carry_sums and self._accumulating():
             self.masters.carry_grads_(module.parameters())
