@@ -24,6 +24,7 @@ from lightning_mp.master import (
 )
 from lightning_mp.modes import PrecisionMode, parse_precision, resolve_mode
 from lightning_mp.plugin import MPPlugin
+from lightning_mp.prepare import prepare_fp8
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, StepStats
 
@@ -58,5 +59,6 @@ __all__ = [
     "PrecisionMode",
     "StepStats",
     "parse_precision",
+    "prepare_fp8",
     "resolve_mode",
 ]

@@ -80,18 +80,13 @@ def check_strategy(strategy: Any, mode: Optional[PrecisionMode], master_weights:
     sharded = is_strategy(strategy, "FSDPStrategy")
     if mode is None:
         return sharded
-    if (mode.true_half or mode.fp8) and is_strategy(strategy, "ModelParallelStrategy"):
+    if mode.true_half and is_strategy(strategy, "ModelParallelStrategy"):
         raise MisconfigurationException(
             f"MPPlugin(precision={mode.name!r}) does not run under ModelParallelStrategy: its FSDP2 shards"
-            " are set up in configure_model, before this plugin could cast weights or swap layers. There, set"
+            " are set up in configure_model, before this plugin could cast weights. There, set"
             " FSDP2's MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) in"
             " configure_model (the fp32 shards are then the master weights) and use MPPlugin('bf16') for step"
             " skipping and guards."
-        )
-    if sharded and mode.fp8:
-        raise MisconfigurationException(
-            "MPPlugin(precision='fp8') does not run under FSDP: Transformer Engine's modules need their own FSDP"
-            " integration. Use MPPlugin('bf16') (or 'bf16-true') with FSDP, or fp8 with strategy='ddp'."
         )
     if sharded and mode.true_half and master_weights != "fp32":
         raise MisconfigurationException(
@@ -101,6 +96,21 @@ def check_strategy(strategy: Any, mode: Optional[PrecisionMode], master_weights:
             " with strategy='ddp'."
         )
     return sharded
+
+
+def prepare_te_for_fsdp(fsdp_root: Any) -> int:
+    """FSDP (1): hand each Transformer Engine module that is an FSDP unit of its own its process group (Transformer
+    Engine's ``prepare_te_modules_for_fsdp``: its FP8 weight copies and saved activations are then sharded between
+    forward and backward as FSDP shards the weights); returns how many TE modules are FSDP units."""
+    from transformer_engine.pytorch.distributed import prepare_te_modules_for_fsdp
+
+    prepare_te_modules_for_fsdp(fsdp_root)
+    return sum(getattr(m, "fsdp_group", None) is not None for m in fsdp_root.modules())
+
+
+def sharded_before_setup(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds FSDP2 (``fully_shard``, DTensor) parameters: sharded in ``configure_model``."""
+    return any(_is_dtensor(p) for p in module.parameters())
 
 
 def fsdp_gather_dtype(mode: Optional[PrecisionMode], fsdp_param_dtype: Optional[str]) -> Optional[torch.dtype]:
@@ -183,10 +193,19 @@ def clip_grad_norm(fsdp_root: Any, params: list[Tensor], clip_val: float) -> Ten
 
 
 def connect(
-    model: Any, scaler: Any, reduce_dtype: Optional[str], fsdp_param_dtype: Optional[str], hooked: list
+    model: Any,
+    scaler: Any,
+    reduce_dtype: Optional[str],
+    fsdp_param_dtype: Optional[str],
+    hooked: list,
+    *,
+    fp8: bool = False,
 ) -> Optional[torch.nn.Module]:
-    """The strategy's model is known: gradient compression, rank agreement on skips; returns the root FSDP module."""
+    """The strategy's model is known: gradient compression, rank agreement on skips, Transformer Engine's FSDP
+    set-up (fp8); returns the root FSDP module."""
     fsdp_root = model if is_fsdp(model) else None
+    if fsdp_root is not None and fp8:
+        prepare_te_for_fsdp(fsdp_root)
     if fsdp_root is None and fsdp_param_dtype not in (None, "fp32"):
         rank_zero_warn(
             f"MPPlugin: fsdp_param_dtype={fsdp_param_dtype!r} is set, but the model is not wrapped by FSDP: it takes"

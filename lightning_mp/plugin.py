@@ -174,7 +174,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             distributed.check_fsdp_wraps_guards(module, guarded, self.mode, self.fsdp_param_dtype)
         if not self._run.sharded:  # (FSDP: the fp32 shards are the masters; it gathers half weights)
             cast_weights_(module, self.mode, guarded)
-        self._run.convert_fp8(module, device)  # swaps layers in place, before the optimizers exist
+        self._run.convert_fp8(module, device, presharded=distributed.sharded_before_setup(module))  # before optimizers
         self._converted = module
         return module
 
@@ -186,7 +186,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         announce(self, module)  # rank zero, once per fit: "lightning_mp: using bf16 mixed precision (...) on cuda"
         self.stats.set_scaler(self.scaler)
         dtypes = (self.reduce_dtype, self.fsdp_param_dtype)
-        self._fsdp_root = distributed.connect(model, self.scaler, *dtypes, self._comm_hooked)
+        self._fsdp_root = distributed.connect(model, self.scaler, *dtypes, self._comm_hooked, fp8=self.mode.fp8)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         masters = self._weights.connect(self.mode, module or model, raw, fsdp=self._fsdp_root is not None)
         self._steps = OptimizerSteps(

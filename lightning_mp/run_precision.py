@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_mp.distributed import REDUCE_DTYPES
-from lightning_mp.fp8 import FP8Config, FP8Training
+from lightning_mp.fp8 import FP8Config, FP8Training, fp8_gemm_modules
 from lightning_mp.modes import (
     AUTO,
     MODES,
@@ -141,10 +141,29 @@ class RunPrecision:
             self.scaler.ensure_initialized(device)
         self.apply_tf32()
 
-    def convert_fp8(self, module: Any, device: torch.device) -> None:
-        """fp8: swap the linear layers for Transformer Engine's (checks the GPU and TE first; logs what it did)."""
-        if self.mode is not None and self.mode.fp8 and self.fp8 is not None and self.fp8.model is not module:
-            self.fp8.convert(module, device=device, announce=rank_zero_info)
+    def convert_fp8(self, module: Any, device: torch.device, *, presharded: bool = False) -> None:
+        """fp8: swap the linear layers for Transformer Engine's (checks the GPU and TE first; logs what it did).
+
+        A model whose layers were swapped already (by :func:`lightning_mp.prepare_fp8` in ``configure_model``) is
+        adopted as it is; ``presharded`` (FSDP2 shards from ``configure_model``) needs that, or TE layers built in.
+        """
+        fp8 = self.fp8
+        if self.mode is None or not self.mode.fp8 or fp8 is None or fp8.model is module:
+            return
+        if fp8.model is not None and any(m is fp8.model for m in module.modules()):
+            fp8.adopt(module, device)  # a part converted in configure_model: state names are the whole module's
+        elif presharded:
+            if not fp8_gemm_modules(module):
+                raise MisconfigurationException(
+                    "MPPlugin(precision='fp8'): the model's parameters were sharded (FSDP2's fully_shard in"
+                    " configure_model) before this plugin could swap its linear layers for Transformer Engine's."
+                    " Call lightning_mp.prepare_fp8(self) at the top of configure_model, before fully_shard (it swaps"
+                    " them with this plugin's fp8 settings and does nothing under other precisions), or build the"
+                    " model from Transformer Engine modules."
+                )
+            fp8.adopt(module, device)
+        else:
+            fp8.convert(module, device=device, announce=rank_zero_info)
 
     def connect_fp8(self, module: Any, device: torch.device, *, watch: bool) -> None:
         if self.fp8 is None or not self.mode.fp8:

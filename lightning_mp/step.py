@@ -346,6 +346,8 @@ class OptimizerSteps:
                 if self.saturation is not None:
                     saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
                     if saturated is not None:
+                        if scaler.sync_across_ranks and scaler.verdict_agrees_across_ranks:
+                            saturated = all_ranks_agree(saturated)  # FSDP's verdict is reduced already: this is one rank's
                         scaler.add_found_inf_(optimizer, saturated)
                 spike = self._spike_verdict(optimizer, state) if self.spike is not None else None
                 scaler.begin_step()

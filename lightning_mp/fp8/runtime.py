@@ -424,6 +424,25 @@ def _is_delayed(recipe: Any) -> bool:
     return type(recipe).__name__ == "DelayedScaling"
 
 
+#: module-name parts that wrappers insert (FSDP's units, activation checkpointing, torch.compile): not in the names
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def named_modules_unwrapped(model: nn.Module) -> dict[str, nn.Module]:
+    """``model``'s modules by the names the unwrapped model gives them: FSDP's ``_fsdp_wrapped_module``, activation
+    checkpointing's and ``torch.compile``'s name parts are left out (a wrapped module takes its wrapper's name), so a
+    state saved under FSDP loads on one device and back.
+
+    Example::
+
+        named_modules_unwrapped(fsdp_lightning_module)["gpt.blocks.0.fc1"]   # not "...0._fsdp_wrapped_module.fc1"
+    """
+    out: dict[str, nn.Module] = {}
+    for fqn, module in model.named_modules():  # parents first: the wrapped module replaces its wrapper
+        out[".".join(p for p in fqn.split(".") if p not in _WRAPPER_PARTS) if fqn else fqn] = module
+    return out
+
+
 def fp8_scaling_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Delayed-scaling state of every TE module that has some, as plain CPU tensors and numbers.
 
@@ -435,7 +454,7 @@ def fp8_scaling_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     Stateless recipes (current, block, mxfp8) and modules that have not run in FP8 yet have none.
     """
     out: dict[str, dict[str, Any]] = {}
-    for fqn, module in model.named_modules():
+    for fqn, module in named_modules_unwrapped(model).items():
         meta = getattr(module, "fp8_meta", None)
         if not isinstance(meta, dict) or "scaling_fwd" not in meta or not _is_delayed(meta.get("recipe")):
             continue
@@ -481,7 +500,7 @@ def load_fp8_scaling_state(model: nn.Module, state: dict[str, dict[str, Any]], r
     Histories of another length are cut or padded to the recipe's ``amax_history_len``.
     """
     done = []
-    modules = dict(model.named_modules())
+    modules = named_modules_unwrapped(model)
     for fqn, entry in state.items():
         module = modules.get(fqn)
         meta = getattr(module, "fp8_meta", None)
@@ -701,6 +720,26 @@ class FP8Training:
             pending, self._pending = self._pending, None
             self.load_state_dict(pending)
         return report
+
+    def adopt(self, model: nn.Module, device: Union[str, torch.device, None] = None) -> int:
+        """Take ``model`` as the FP8 model without swapping anything: its layers are Transformer Engine's already
+        (converted by :meth:`convert` on a part of it, e.g. in ``configure_model`` before FSDP2 shards it, or built
+        so). Checks the hardware, installs the checkpoint hooks; returns how many FP8 GEMM modules it has.
+
+        Example::
+
+            fp8.convert(lightning_module.model, device="cuda")   # in configure_model, before fully_shard
+            fp8.adopt(lightning_module)                          # at set-up: state names are the whole module's
+        """
+        self.check(torch.device(device) if device is not None else torch.device("cuda"))
+        found = len(fp8_gemm_modules(model))
+        install_checkpoint_hooks(model)
+        self._model = model
+        self.weight_cache.weights_updated()
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.load_state_dict(pending)
+        return found
 
     def configure_weight_cache(self, *, accumulate_grad_batches: int = 1, automatic_optimization: bool = True) -> bool:
         """Attach or detach the :class:`MicrobatchWeightCache` per ``cache_fp8_weights``; returns whether it is on.

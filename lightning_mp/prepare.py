@@ -1,0 +1,55 @@
+"""``prepare_fp8``: FP8 layers swapped in ``configure_model``, before FSDP2 (``fully_shard``) shards the model.
+
+Lightning calls a precision plugin's ``convert_module`` after ``configure_model``: under ``ModelParallelStrategy``
+the parameters are DTensor shards by then and a layer can no longer be replaced. Transformer Engine's modules
+shard like any other module, so the swap has to come first, inside ``configure_model``::
+
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from lightning_mp import prepare_fp8
+
+    def configure_model(self):
+        prepare_fp8(self)                       # MPPlugin("fp8"): TE layers now; any other precision: nothing
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in self.model.blocks:
+            fully_shard(block, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+        fully_shard(self, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+
+from lightning_mp import distributed
+
+
+def prepare_fp8(pl_module: LightningModule, module: Optional[nn.Module] = None) -> nn.Module:
+    """Swap ``module``'s linear layers (default: the whole ``pl_module``'s) for Transformer Engine's now, with the
+    Trainer's ``MPPlugin("fp8")`` settings (layer filter, recipe, weights dtype); returns ``module``.
+
+    Call it in ``configure_model`` before sharding. Under any other precision plugin or mode it does nothing,
+    so the same LightningModule runs in bf16 or fp8 by the Trainer flag alone. The plugin then adopts the
+    converted model at set-up (FP8 state, saturation sentinel and weight cache as on one device).
+    """
+    from lightning_mp.plugin import MPPlugin
+
+    target = pl_module if module is None else module
+    trainer = getattr(pl_module, "_trainer", None)
+    if trainer is None:
+        raise MisconfigurationException(
+            f"prepare_fp8({type(pl_module).__name__}) needs the Trainer's precision plugin: call it in"
+            " configure_model (the Trainer is attached there), not in __init__."
+        )
+    plugin = trainer.precision_plugin
+    if not isinstance(plugin, MPPlugin) or plugin.mode is None or not plugin.mode.fp8:
+        return target
+    if distributed.sharded_before_setup(target):
+        raise MisconfigurationException(
+            "prepare_fp8 found DTensor (sharded) parameters: fully_shard already ran on this model, and a sharded"
+            " layer cannot be replaced. Call prepare_fp8(self) first in configure_model, then fully_shard."
+        )
+    plugin._run.convert_fp8(target, trainer.strategy.root_device)
+    return target
