@@ -50,6 +50,24 @@ RUNS = [
     ("fsdp mp-bf16 bf16-gather", "fsdp", 2, "mp:bf16", {"fsdp_param_dtype": "bf16"}),
     ("fsdp lightning bf16-mixed", "fsdp", 2, "lightning:bf16-mixed"),
 ]
+#: with --fp8 (Transformer Engine): FP8 on one GPU, under DDP, FSDP and FSDP2 (ModelParallelStrategy, prepare_fp8 in
+#: configure_model), beside bf16 under FSDP/FSDP2; the resume runs save at --resume-at and go on in a new process
+FP8_RUNS = [
+    ("1gpu mp-fp8", "single", 1, "mp:fp8"),
+    ("ddp mp-fp8", "ddp", 2, "mp:fp8"),
+    ("fsdp mp-bf16", "fsdp", 2, "mp:bf16"),
+    ("fsdp mp-fp8", "fsdp", 2, "mp:fp8"),
+    ("fsdp mp-fp8 bf16-gather", "fsdp", 2, "mp:fp8", {"fsdp_param_dtype": "bf16"}),
+    ("fsdp2 mp-bf16", "fsdp2", 2, "mp:bf16"),
+    ("fsdp2 mp-fp8", "fsdp2", 2, "mp:fp8"),
+    ("fsdp2 mp-fp8 bf16-gather", "fsdp2", 2, "mp:fp8", {}, {"fsdp2_param_dtype": "bf16"}),
+]
+FP8_RESUME_RUNS = [
+    ("fsdp mp-fp8 resume-sharded", "fsdp", 2, "mp:fp8", {}, {"resume": "sharded"}),
+    ("fsdp mp-fp8 resume-full", "fsdp", 2, "mp:fp8", {}, {"resume": "full"}),
+    ("fsdp2 mp-fp8 resume", "fsdp2", 2, "mp:fp8", {}, {"resume": "sharded"}),
+    ("ddp mp-fp8 resume", "ddp", 2, "mp:fp8", {}, {"resume": "full"}),
+]
 #: with --more: true-half (fp32 masters; under FSDP the shards are the masters) and where MPPlugin's DDP time goes
 MORE_RUNS = [
     ("1gpu mp-bf16-true", "single", 1, "mp:bf16-true"),
@@ -75,11 +93,12 @@ def learnable_tokens(step: int, batch: int, seq: int, vocab: int) -> torch.Tenso
 
 def worker(cfg: dict[str, Any]) -> None:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.utils.data import DataLoader
 
-    from lightning_mp import MPPlugin
+    from lightning_mp import MPPlugin, prepare_fp8
+    from lightning_mp.fp8 import fp8_gemm_modules
 
     quiet_lightning()
     cuda = cfg["accelerator"] == "cuda"
@@ -87,6 +106,8 @@ def worker(cfg: dict[str, Any]) -> None:
     precision = cfg["precision"]
     checked = precision.startswith("mp:") and cfg["plugin_kwargs"].get("skip_nonfinite", True)
     poison = set(cfg["poison_steps"]) if checked else set()
+    act_poison = set(cfg["act_poison_steps"]) if checked and precision == "mp:fp8" else set()
+    opts = cfg["options"]
 
     class LM(pl.LightningModule):
         def __init__(self) -> None:
@@ -94,8 +115,33 @@ def worker(cfg: dict[str, Any]) -> None:
             torch.manual_seed(cfg["seed"])
             self.gpt = init_gpt_weights(GPT(cfg["vocab"], cfg["hidden"], cfg["layers"], cfg["heads"], cfg["seq"]))
 
+        def configure_model(self) -> None:
+            if cfg["strategy"] != "fsdp2":
+                return
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+            prepare_fp8(self)  # MPPlugin("fp8"): Transformer Engine layers before sharding; bf16: nothing
+            gather = {"bf16": torch.bfloat16}.get(opts.get("fsdp2_param_dtype"))
+            policy = MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=torch.float32 if gather else None)
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.gpt.blocks:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(self.gpt, mesh=mesh, mp_policy=policy)  # the root: training_step calls self.gpt
+
+        def on_fit_start(self) -> None:
+            te_layers = fp8_gemm_modules(self)
+            if act_poison and te_layers and self.global_rank == self.trainer.world_size - 1:
+                te_layers[0].register_forward_pre_hook(self._poison_input)  # an inf only the FP8 cast sees
+
+        def _poison_input(self, module: torch.nn.Module, args: tuple) -> Optional[tuple]:
+            if not (self.training and self.trainer.fit_loop.epoch_loop.total_batch_idx in act_poison):
+                return None
+            x = args[0].clone()
+            x.view(-1)[0] = math.inf
+            return (x, *args[1:])
+
         def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            step = int(batch[0])
+            step = self.trainer.fit_loop.epoch_loop.total_batch_idx  # (restored on resume, unlike the loader)
             tokens = learnable_tokens(step, cfg["global_batch"], cfg["seq"], cfg["vocab"])
             share = cfg["global_batch"] // self.trainer.world_size
             mine = tokens[self.global_rank * share : (self.global_rank + 1) * share].to(self.device, non_blocking=True)
@@ -105,8 +151,9 @@ def worker(cfg: dict[str, Any]) -> None:
             step = self.trainer.fit_loop.epoch_loop.total_batch_idx
             if step in poison and self.global_rank == self.trainer.world_size - 1:
                 for p in self.trainer.model.parameters():  # DDP: a parameter; FSDP: this rank's flat shard
-                    if p.grad is not None and p.grad.numel():
-                        p.grad.view(-1)[0] = math.inf
+                    grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: a DTensor
+                    if grad is not None and grad.numel():
+                        grad.view(-1)[0] = math.inf
                         break
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -131,7 +178,7 @@ def worker(cfg: dict[str, Any]) -> None:
             self.losses.append(float(loss))
             plugin = trainer.precision_plugin
             if isinstance(plugin, MPPlugin) and plugin.scaler is not None and plugin.scaler.last_skipped:
-                self.skipped.append(batch_idx)
+                self.skipped.append(trainer.fit_loop.epoch_loop.total_batch_idx)  # (counted on after a resume)
 
     def fingerprint(trainer: pl.Trainer, module: LM) -> list[float]:
         model = trainer.model
@@ -143,7 +190,9 @@ def worker(cfg: dict[str, Any]) -> None:
         if ctx is not None:
             ctx.__enter__()
         try:
-            values = [p.detach().double() for p in module.gpt.parameters()]
+            values = [
+                (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double() for p in module.gpt.parameters()
+            ]
             total = sum(v.sum() for v in values)
             squares = sum(v.square().sum() for v in values)
             return [float(total), float(squares)]
@@ -158,7 +207,11 @@ def worker(cfg: dict[str, Any]) -> None:
     else:
         trainer_precision = precision.split(":", 1)[1]
     if cfg["strategy"] == "fsdp":
-        strategy: Any = FSDPStrategy(auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD")
+        strategy: Any = FSDPStrategy(
+            auto_wrap_policy={Block}, sharding_strategy="FULL_SHARD", state_dict_type=opts.get("resume", "full")
+        )
+    elif cfg["strategy"] == "fsdp2":
+        strategy = ModelParallelStrategy(data_parallel_size=cfg["devices"], tensor_parallel_size=1)
     elif cfg["strategy"] == "ddp":
         strategy = DDPStrategy(gradient_as_bucket_view=True)
     else:
@@ -170,7 +223,7 @@ def worker(cfg: dict[str, Any]) -> None:
         strategy=strategy,
         precision=trainer_precision,
         plugins=plugins or None,
-        max_steps=cfg["steps"],
+        max_steps=cfg.get("stop_at") or cfg["steps"],
         use_distributed_sampler=False,
         logger=False,
         enable_checkpointing=False,
@@ -183,7 +236,9 @@ def worker(cfg: dict[str, Any]) -> None:
     data = DataLoader(torch.arange(cfg["steps"]), batch_size=1)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    trainer.fit(module, train_dataloaders=data)
+    trainer.fit(module, train_dataloaders=data, ckpt_path=cfg.get("resume_from"))
+    if cfg.get("save_to"):
+        trainer.save_checkpoint(cfg["save_to"])
     result = {
         "rank": trainer.global_rank,
         "times": probe.times,
@@ -199,30 +254,10 @@ def worker(cfg: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------------------------- the driver
-def run(
-    name: str,
-    strategy: str,
-    devices: int,
-    precision: str,
-    kwargs: dict[str, Any],
-    args: argparse.Namespace,
-    folder: str,
-) -> dict[str, Any]:
-    cfg = {
-        key: getattr(args, key)
-        for key in ("vocab", "hidden", "layers", "heads", "seq", "global_batch", "steps", "lr", "seed", "poison_steps")
-    }
-    cfg.update(
-        accelerator=args.accelerator,
-        strategy=strategy,
-        devices=devices,
-        precision=precision,
-        plugin_kwargs=kwargs,
-        out=os.path.join(folder, name.replace(" ", "_")),
-    )
+def _launch(cfg: dict[str, Any], args: argparse.Namespace) -> tuple[Optional[str], list[dict[str, Any]]]:
+    """One worker process (Lightning launches the other ranks); returns (error or None, the ranks' results)."""
     env = dict(os.environ)
     env.pop("LOCAL_RANK", None)
-    start = time.perf_counter()
     proc = subprocess.run(
         [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(cfg)],
         env=env,
@@ -230,22 +265,70 @@ def run(
         text=True,
         timeout=args.run_timeout,
     )
+    ranks = []
+    for rank in range(cfg["devices"]):
+        path = f"{cfg['out']}.rank{rank}.json"
+        if os.path.exists(path):
+            with open(path) as fh:
+                ranks.append(json.load(fh))
+    if proc.returncode != 0 or len(ranks) != cfg["devices"]:
+        return (proc.stderr or proc.stdout)[-2000:], ranks
+    return None, ranks
+
+
+def run(
+    name: str,
+    strategy: str,
+    devices: int,
+    precision: str,
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+    args: argparse.Namespace,
+    folder: str,
+) -> dict[str, Any]:
+    """One run; with ``options["resume"]`` two processes: up to ``--resume-at`` (saving a checkpoint of that
+    kind), then a new Trainer resuming it to the end. Their steps are joined into one row."""
+    cfg = {
+        key: getattr(args, key)
+        for key in ("vocab", "hidden", "layers", "heads", "seq", "global_batch", "steps", "lr", "seed", "poison_steps")
+    }
+    if precision == "mp:fp8" and args.fp8_options:
+        kwargs = {**kwargs, "fp8": {**json.loads(args.fp8_options), **kwargs.get("fp8", {})}}
+    cfg.update(
+        accelerator=args.accelerator,
+        strategy=strategy,
+        devices=devices,
+        precision=precision,
+        plugin_kwargs=kwargs,
+        options=options,
+        act_poison_steps=args.act_poison_steps,
+        out=os.path.join(folder, name.replace(" ", "_")),
+    )
+    start = time.perf_counter()
+    if options.get("resume"):
+        ckpt = cfg["out"] + ".ckpt"
+        error, first = _launch(dict(cfg, stop_at=args.resume_at, save_to=ckpt, out=cfg["out"] + ".a"), args)
+        second: list[dict[str, Any]] = []
+        if error is None:
+            error, second = _launch(dict(cfg, resume_from=ckpt, out=cfg["out"] + ".b"), args)
+        joined = ("times", "losses", "skipped")
+        ranks = [
+            dict(b, **{k: a[k] + b[k] for k in joined}, peak_gib=max(a["peak_gib"], b["peak_gib"]))
+            for a, b in zip(first, second)
+        ]
+    else:
+        error, ranks = _launch(cfg, args)
     row: dict[str, Any] = {
         "run": name,
         "strategy": strategy,
         "devices": devices,
         "precision": precision,
         "kwargs": kwargs,
+        "options": options,
         "wall_s": time.perf_counter() - start,
     }
-    ranks = []
-    for rank in range(devices):
-        path = f"{cfg['out']}.rank{rank}.json"
-        if os.path.exists(path):
-            with open(path) as fh:
-                ranks.append(json.load(fh))
-    if proc.returncode != 0 or len(ranks) != devices:
-        row["error"] = (proc.stderr or proc.stdout)[-2000:]
+    if error is not None:
+        row["error"] = error
         return row
     r0 = ranks[0]
     timed = r0["times"][args.warmup:]
@@ -253,10 +336,12 @@ def run(
         step_ms=1000 * statistics.median(timed),
         tokens_per_s=args.global_batch * args.seq / statistics.median(timed),
         peak_gib=max(r["peak_gib"] for r in ranks),
+        peak_gib_per_rank=[round(r["peak_gib"], 2) for r in ranks],
         losses=r0["losses"],
         skipped_per_rank=[r["skipped"] for r in ranks],
         same_weights_all_ranks=all(r["fingerprint"] == r0["fingerprint"] for r in ranks),
         same_stats_all_ranks=all(r["stats"] == r0["stats"] for r in ranks),
+        fingerprint=r0["fingerprint"],
         stats=r0["stats"],
         gpu=r0["gpu"],
     )
@@ -267,31 +352,59 @@ def _poisoned(row: dict[str, Any]) -> bool:
     return row["precision"].startswith("mp:") and row["kwargs"].get("skip_nonfinite", True)
 
 
+def expected_skips(row: dict[str, Any], args: argparse.Namespace) -> list[int]:
+    """The steps a poisoned run must skip: the gradient poisons, and in fp8 the activation poisons too."""
+    steps = set(args.poison_steps) | (set(args.act_poison_steps) if row["precision"] == "mp:fp8" else set())
+    return sorted(s for s in steps if s < args.steps)
+
+
 def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    """Fill each row's verdicts: skips as injected on every rank, weights equal across ranks, loss = one GPU."""
-    single = {r["precision"]: r for r in rows if r["strategy"] == "single" and "error" not in r and not r["kwargs"]}
+    """Fill each row's verdicts: skips as injected on every rank, weights equal across ranks, loss = one GPU,
+    and a resumed run = the same run uninterrupted (losses and final weights)."""
+    single = {r["precision"]: r for r in rows if r["strategy"] == "single" and "error" not in r and not r["kwargs"]
+              and not r["options"]}  # fmt: skip
+    by_name = {r["run"]: r for r in rows}
+    poisoned_anywhere = set(args.act_poison_steps)  # an input poison changes that step's loss on the poisoned share
     for row in rows:
         if "error" in row:
             continue
         base = single.get(row["precision"])
         if row["strategy"] != "single" and base is not None and _poisoned(row) == _poisoned(base):
-            rel = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(row["losses"], base["losses"])]
+            rel = [
+                abs(a - b) / max(abs(b), 1e-6)
+                for i, (a, b) in enumerate(zip(row["losses"], base["losses"]))
+                if i not in poisoned_anywhere
+            ]
             row["loss_max_rel_diff"] = max(rel)
             row["loss_equal"] = max(rel) <= args.loss_rtol
             row["speedup_vs_1gpu"] = row["tokens_per_s"] / base["tokens_per_s"]
         if _poisoned(row):
-            row["skips_as_injected"] = all(s == sorted(args.poison_steps) for s in row["skipped_per_rank"])
+            row["skips_as_injected"] = all(s == expected_skips(row, args) for s in row["skipped_per_rank"])
+        if row["options"].get("resume"):
+            whole = by_name.get(row["run"].rsplit(" resume", 1)[0])
+            if whole is not None and "error" not in whole:
+                rel = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(row["losses"], whole["losses"])]
+                row["resume_max_rel_diff"] = max(rel)
+                row["resume_same_weights"] = row["fingerprint"] == whole["fingerprint"]
+                row["resume_equal"] = max(rel) <= args.resume_rtol and len(row["losses"]) == len(whole["losses"])
+
+
+def _resume_text(r: dict[str, Any]) -> str:
+    if "resume_equal" not in r:
+        return "—"
+    weights = "same weights" if r["resume_same_weights"] else "weights differ"
+    return f"{'✓' if r['resume_equal'] else '✗'} loss Δ {r['resume_max_rel_diff']:.1e}, {weights}"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| run | step ms | tokens/s | vs 1 GPU | peak GiB/GPU | final loss | max loss diff vs 1 GPU"
-        " | skipped steps (every rank) | same weights on all ranks |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " | skipped steps (every rank) | same weights on all ranks | resume = uninterrupted |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['run']} | failed: {r['error'].strip().splitlines()[-1][:120]} | | | | | | | |")
+            lines.append(f"| {r['run']} | failed: {r['error'].strip().splitlines()[-1][:120]} | | | | | | | | |")
             continue
         skipped = r["skipped_per_rank"]
         skip_text = "—" if "skips_as_injected" not in r else (
@@ -301,7 +414,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {r['run']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f}"
             f" | {fmt(r.get('speedup_vs_1gpu'), '.2f', '×')} "
             f"| {r['peak_gib']:.1f} | {r['losses'][-1]:.4f} | {fmt(r.get('loss_max_rel_diff'), '.2%')} | {skip_text} "
-            f"| {'yes' if r['same_weights_all_ranks'] else 'NO'} |"
+            f"| {'yes' if r['same_weights_all_ranks'] else 'NO'} | {_resume_text(r)} |"
         )
     return "\n".join(lines)
 
@@ -323,6 +436,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--loss-rtol", type=float, default=0.02, help="largest relative loss difference from one GPU")
     p.add_argument("--runs", nargs="*", help="run names to keep (default: the main set)")
     p.add_argument("--more", action="store_true", help="add the true-half and diagnostic runs (about 3 more minutes)")
+    p.add_argument("--fp8", action="store_true", help="add the FP8 runs (needs Transformer Engine)")
+    p.add_argument("--fp8-resume", action="store_true", help="add the FP8 resume runs (with --fp8)")
+    p.add_argument("--fp8-options", default=None, help="JSON of fp8 settings for the fp8 runs, e.g. a layer filter")
+    p.add_argument("--act-poison-steps", type=int, nargs="*", default=[18],
+                   help="fp8 runs: steps whose first FP8 layer input gets an inf on the last rank (saturation)")
+    p.add_argument("--resume-at", type=int, default=20, help="resume runs: the step the first process stops at")
+    p.add_argument("--resume-rtol", type=float, default=1e-3, help="largest relative loss difference after resume")
     p.add_argument("--run-timeout", type=int, default=300)
     p.add_argument("--accelerator", choices=["cuda", "cpu"], default="cuda", help="cpu: a smoke run (gloo DDP rows)")
     p.add_argument("--out", help="folder for the JSON and markdown results")
@@ -341,13 +461,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     count = torch.cuda.device_count() if args.accelerator == "cuda" else 2
     runs = [
         r for r in RUNS + (MORE_RUNS if args.more or args.runs else [])
+        + (FP8_RUNS if args.fp8 or args.runs else []) + (FP8_RESUME_RUNS if args.fp8_resume or args.runs else [])
         if r[2] <= count and (not args.runs or r[0] in args.runs)
         and (args.accelerator == "cuda" or (r[1] != "fsdp" and r[3].startswith("mp:")))  # Lightning: FSDP needs CUDA
     ]
+    runs = list({r[0]: r for r in runs}.values())  # a run listed in two sets runs once
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for name, strategy, devices, precision, *extra in runs:
-            row = run(name, strategy, devices, precision, extra[0] if extra else {}, args, folder)
+            kwargs, options = (list(extra) + [{}, {}])[:2]
+            row = run(name, strategy, devices, precision, kwargs, options, args, folder)
             print(f"{name}: " + (f"{row['step_ms']:.1f} ms/step" if "step_ms" in row else "failed"), flush=True)
             rows.append(row)
     check(rows, args)
@@ -372,6 +495,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if "error" in r
         or r.get("loss_equal") is False
         or r.get("skips_as_injected") is False
+        or r.get("resume_equal") is False
         or not r.get("same_weights_all_ranks", False)
     ]
     print(text)

@@ -347,7 +347,7 @@ class OptimizerSteps:
                     saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
                     if saturated is not None:
                         if scaler.sync_across_ranks and scaler.verdict_agrees_across_ranks:
-                            saturated = all_ranks_agree(saturated)  # FSDP's verdict is reduced already: this is one rank's
+                            saturated = all_ranks_agree(saturated)  # FSDP reduced its verdict: this one is a rank's
                         scaler.add_found_inf_(optimizer, saturated)
                 spike = self._spike_verdict(optimizer, state) if self.spike is not None else None
                 scaler.begin_step()
