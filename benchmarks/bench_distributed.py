@@ -361,14 +361,20 @@ def expected_skips(row: dict[str, Any], args: argparse.Namespace) -> list[int]:
 def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Fill each row's verdicts: skips as injected on every rank, weights equal across ranks, loss = one GPU,
     and a resumed run = the same run uninterrupted (losses and final weights)."""
-    single = {r["precision"]: r for r in rows if r["strategy"] == "single" and "error" not in r and not r["kwargs"]
-              and not r["options"]}  # fmt: skip
+    def key(row: dict[str, Any]) -> tuple[str, str]:  # the mode and its fp8 settings: what one GPU must match
+        return row["precision"], json.dumps(row["kwargs"].get("fp8"), sort_keys=True)
+
+    single = {
+        key(r): r
+        for r in rows
+        if r["strategy"] == "single" and "error" not in r and not (set(r["kwargs"]) - {"fp8"}) and not r["options"]
+    }
     by_name = {r["run"]: r for r in rows}
     poisoned_anywhere = set(args.act_poison_steps)  # an input poison changes that step's loss on the poisoned share
     for row in rows:
         if "error" in row:
             continue
-        base = single.get(row["precision"])
+        base = single.get(key(row))
         if row["strategy"] != "single" and base is not None and _poisoned(row) == _poisoned(base):
             rel = [
                 abs(a - b) / max(abs(b), 1e-6)
