@@ -358,6 +358,17 @@ def expected_skips(row: dict[str, Any], args: argparse.Namespace) -> list[int]:
     return sorted(s for s in steps if s < args.steps)
 
 
+def window_rel_diffs(losses: list[float], base: list[float], window: int, leave_out: set[int]) -> list[float]:
+    """The relative difference of the mean loss over each ``window`` steps (steps in ``leave_out`` left out)."""
+    out = []
+    for start in range(0, min(len(losses), len(base)), window):
+        steps = [i for i in range(start, min(start + window, len(losses), len(base))) if i not in leave_out]
+        if steps:
+            mine, theirs = (sum(x[i] for i in steps) / len(steps) for x in (losses, base))
+            out.append(abs(mine - theirs) / max(abs(theirs), 1e-6))
+    return out
+
+
 def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Fill each row's verdicts: skips as injected on every rank, weights equal across ranks, loss = one GPU,
     and a resumed run = the same run uninterrupted (losses and final weights)."""
@@ -383,6 +394,10 @@ def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             ]
             row["loss_max_rel_diff"] = max(rel)
             row["loss_equal"] = max(rel) <= args.loss_rtol
+            if args.loss_window:  # a long run: the loss curve (means of windows of steps), not each step's loss
+                windows = window_rel_diffs(row["losses"], base["losses"], args.loss_window, poisoned_anywhere)
+                row["loss_window_max_rel_diff"] = max(windows)
+                row["loss_equal"] = max(windows) <= args.loss_rtol
             row["speedup_vs_1gpu"] = row["tokens_per_s"] / base["tokens_per_s"]
         if _poisoned(row):
             row["skips_as_injected"] = all(s == expected_skips(row, args) for s in row["skipped_per_rank"])
@@ -393,6 +408,13 @@ def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 row["resume_max_rel_diff"] = max(rel)
                 row["resume_same_weights"] = row["fingerprint"] == whole["fingerprint"]
                 row["resume_equal"] = max(rel) <= args.resume_rtol and len(row["losses"]) == len(whole["losses"])
+
+
+def _loss_text(r: dict[str, Any]) -> str:
+    text = fmt(r.get("loss_max_rel_diff"), ".2%")
+    if "loss_window_max_rel_diff" in r:
+        text = f"{r['loss_window_max_rel_diff']:.2%} (curve; {text} a step)"
+    return text
 
 
 def _resume_text(r: dict[str, Any]) -> str:
@@ -419,7 +441,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['run']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f}"
             f" | {fmt(r.get('speedup_vs_1gpu'), '.2f', '×')} "
-            f"| {r['peak_gib']:.1f} | {r['losses'][-1]:.4f} | {fmt(r.get('loss_max_rel_diff'), '.2%')} | {skip_text} "
+            f"| {r['peak_gib']:.1f} | {r['losses'][-1]:.4f} | {_loss_text(r)} | {skip_text} "
             f"| {'yes' if r['same_weights_all_ranks'] else 'NO'} | {_resume_text(r)} |"
         )
     return "\n".join(lines)
@@ -440,6 +462,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--poison-steps", type=int, nargs="*", default=[12, 25])
     p.add_argument("--loss-rtol", type=float, default=0.02, help="largest relative loss difference from one GPU")
+    p.add_argument("--loss-window", type=int, default=0,
+                   help="compare the means of this many steps with one GPU's (0: every step's loss)")
     p.add_argument("--runs", nargs="*", help="run names to keep (default: the main set)")
     p.add_argument("--more", action="store_true", help="add the true-half and diagnostic runs (about 3 more minutes)")
     p.add_argument("--fp8", action="store_true", help="add the FP8 runs (needs Transformer Engine)")
