@@ -501,7 +501,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         for name, strategy, devices, precision, *extra in runs:
             kwargs, options = (list(extra) + [{}, {}])[:2]
             row = run(name, strategy, devices, precision, kwargs, options, args, folder)
-            print(f"{name}: " + (f"{row['step_ms']:.1f} ms/step" if "step_ms" in row else "failed"), flush=True)
+            done = f"{row['step_ms']:.1f} ms/step, peak {row['peak_gib_per_rank']} GiB" if "step_ms" in row else "-"
+            print(f"{name}: {done}", flush=True)  # (a run cut short by a time limit keeps these lines)
             rows.append(row)
     check(rows, args)
     gpu = next((r["gpu"] for r in rows if "gpu" in r), args.accelerator)
