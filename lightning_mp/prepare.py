@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 from lightning_mp import distributed
+from lightning_mp.fp8 import fp8_gemm_modules
 
 
 def prepare_fp8(pl_module: LightningModule, module: Optional[nn.Module] = None) -> nn.Module:
@@ -32,7 +33,9 @@ def prepare_fp8(pl_module: LightningModule, module: Optional[nn.Module] = None) 
 
     Call it in ``configure_model`` before sharding. Under any other precision plugin or mode it does nothing,
     so the same LightningModule runs in bf16 or fp8 by the Trainer flag alone. The plugin then adopts the
-    converted model at set-up (FP8 state, saturation sentinel and weight cache as on one device).
+    converted model at set-up (FP8 state, saturation sentinel and weight cache as on one device). A model that
+    is sharded and has Transformer Engine layers already (``configure_model`` runs again for ``validate`` after
+    ``fit``) is left as it is.
     """
     from lightning_mp.plugin import MPPlugin
 
@@ -47,6 +50,8 @@ def prepare_fp8(pl_module: LightningModule, module: Optional[nn.Module] = None) 
     if not isinstance(plugin, MPPlugin) or plugin.mode is None or not plugin.mode.fp8:
         return target
     if distributed.sharded_before_setup(target):
+        if fp8_gemm_modules(target):
+            return target  # prepared by an earlier configure_model (fit, then validate): the plugin adopts it
         raise MisconfigurationException(
             "prepare_fp8 found DTensor (sharded) parameters: fully_shard already ran on this model, and a sharded"
             " layer cannot be replaced. Call prepare_fp8(self) first in configure_model, then fully_shard."

@@ -59,6 +59,33 @@ def test_prepare_fp8_after_fully_shard_is_refused(tmp_path):
         trainer_for(MPPlugin("fp8"), str(tmp_path)).fit(PreparedSharded(late=True))
 
 
+class _TELinear(nn.Linear):
+    """Stands in for a Transformer Engine linear layer (found by its module and class name)."""
+
+
+_TELinear.__module__, _TELinear.__name__ = "transformer_engine.pytorch.module.linear", "Linear"
+
+
+class ShardedWithTELayers(Sharded):
+    """Transformer Engine layers, sharded, then prepare_fp8 again: configure_model running a second time (validate
+    after fit) or a model built from TE modules."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.net1 = _TELinear(16, 32)
+
+    def configure_model(self):
+        super().configure_model()
+        prepare_fp8(self)
+
+
+def test_prepare_fp8_leaves_a_sharded_model_with_te_layers_to_the_plugin(tmp_path):
+    # no "fully_shard already ran" error: the plugin adopts the model at set-up (and checks the device, here the CPU)
+    with pytest.raises(Exception, match="precision='fp8' needs an NVIDIA GPU") as info:
+        trainer_for(MPPlugin("fp8"), str(tmp_path)).fit(ShardedWithTELayers())
+    assert "fully_shard already ran" not in str(info.value) and "in adopt" in str(info.value)
+
+
 @pytest.mark.parametrize("plugins", [[MPPlugin("bf16")], None])
 def test_prepare_fp8_does_nothing_under_other_precisions(tmp_path, plugins):
     """The same LightningModule runs in bf16 (or without MPPlugin) by the Trainer flag alone."""

@@ -407,11 +407,12 @@ FP8_GEMM_MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"
 
 def fp8_gemm_modules(model: nn.Module) -> list[nn.Module]:
     """The Transformer Engine modules in ``model`` that run FP8 GEMMs (``te.Linear``, ``te.LayerNormLinear``...)."""
-    return [
-        m
-        for m in model.modules()
-        if type(m).__module__.startswith("transformer_engine.") and type(m).__name__ in FP8_GEMM_MODULES
-    ]
+    return [m for m in model.modules() if _is_fp8_gemm_class(type(m))]
+
+
+def _is_fp8_gemm_class(cls: type) -> bool:
+    # through the class FSDP2's fully_shard gives a module it shards itself (a subclass made on the fly)
+    return any(c.__module__.startswith("transformer_engine.") and c.__name__ in FP8_GEMM_MODULES for c in cls.__mro__)
 
 
 def _is_delayed(recipe: Any) -> bool:
@@ -586,7 +587,7 @@ def install_checkpoint_hooks(model: nn.Module) -> int:
     """
     count = 0
     for module in model.modules():
-        if not type(module).__module__.startswith("transformer_engine"):
+        if not any(c.__module__.startswith("transformer_engine") for c in type(module).__mro__):  # FSDP2's subclass too
             continue
         if type(module).get_extra_state is nn.Module.get_extra_state or module.__dict__.get("_mp_fp8_hooks"):
             continue
