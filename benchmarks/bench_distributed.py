@@ -200,6 +200,16 @@ def worker(cfg: dict[str, Any]) -> None:
             if ctx is not None:
                 ctx.__exit__(None, None, None)
 
+    def fp8_fingerprint(trainer: pl.Trainer) -> Optional[list[float]]:
+        """Sums of every FP8 module's delayed-scaling scales and amax histories (None without FP8 state)."""
+        plugin = trainer.precision_plugin
+        state = plugin.state_dict().get("fp8") if isinstance(plugin, MPPlugin) else None
+        modules = (state or {}).get("modules") or {}
+        if not modules:
+            return None
+        tensors = [t for entry in modules.values() for t in entry.values() if isinstance(t, torch.Tensor)]
+        return [float(sum(t.double().sum() for t in tensors)), float(len(tensors))]
+
     plugins: list[Any] = []
     trainer_precision: Optional[str] = None
     if precision.startswith("mp:"):
@@ -245,6 +255,7 @@ def worker(cfg: dict[str, Any]) -> None:
         "losses": probe.losses,
         "skipped": probe.skipped,
         "fingerprint": fingerprint(trainer, module),
+        "fp8_state": fp8_fingerprint(trainer),
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "stats": trainer.precision_plugin.stats.as_dict() if isinstance(trainer.precision_plugin, MPPlugin) else None,
         "gpu": torch.cuda.get_device_name() if cuda else "cpu",
@@ -341,6 +352,8 @@ def run(
         skipped_per_rank=[r["skipped"] for r in ranks],
         same_weights_all_ranks=all(r["fingerprint"] == r0["fingerprint"] for r in ranks),
         same_stats_all_ranks=all(r["stats"] == r0["stats"] for r in ranks),
+        same_fp8_state_all_ranks=all(r.get("fp8_state") == r0.get("fp8_state") for r in ranks),
+        fp8_state=r0.get("fp8_state"),
         fingerprint=r0["fingerprint"],
         stats=r0["stats"],
         gpu=r0["gpu"],
@@ -465,6 +478,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--loss-window", type=int, default=0,
                    help="compare the means of this many steps with one GPU's (0: every step's loss)")
     p.add_argument("--runs", nargs="*", help="run names to keep (default: the main set)")
+    p.add_argument("--devices", type=int, default=2, help="GPUs (processes) for the multi-GPU runs")
     p.add_argument("--more", action="store_true", help="add the true-half and diagnostic runs (about 3 more minutes)")
     p.add_argument("--fp8", action="store_true", help="add the FP8 runs (needs Transformer Engine)")
     p.add_argument("--fp8-resume", action="store_true", help="add the FP8 resume runs (with --fp8)")
@@ -488,7 +502,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.accelerator == "cuda" and not torch.cuda.is_available():
         print("bench_distributed needs CUDA GPUs (or --accelerator cpu for a smoke run of the DDP rows).")
         return 1
-    count = torch.cuda.device_count() if args.accelerator == "cuda" else 2
+    count = torch.cuda.device_count() if args.accelerator == "cuda" else max(2, args.devices)
     runs = [
         r for r in RUNS + (MORE_RUNS if args.more or args.runs else [])
         + (FP8_RUNS if args.fp8 or args.runs else []) + (FP8_RESUME_RUNS if args.fp8_resume or args.runs else [])
@@ -496,6 +510,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         and (args.accelerator == "cuda" or (r[1] != "fsdp" and r[3].startswith("mp:")))  # Lightning: FSDP needs CUDA
     ]
     runs = list({r[0]: r for r in runs}.values())  # a run listed in two sets runs once
+    if args.devices != 2:  # the multi-GPU runs on that many GPUs (the global batch is split over them)
+        if args.devices > count or args.global_batch % args.devices:
+            print(f"--devices {args.devices}: {count} available; the global batch must split over them evenly.")
+            return 1
+        runs = [(r[0], r[1], args.devices if r[2] > 1 else 1, *r[3:]) for r in runs]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for name, strategy, devices, precision, *extra in runs:
@@ -507,7 +526,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     check(rows, args)
     gpu = next((r["gpu"] for r in rows if "gpu" in r), args.accelerator)
     header = (
-        f"{count}× {gpu}, torch {torch.__version__}, GPT {args.hidden}×{args.layers}"
+        f"{max((r[2] for r in runs), default=count)}× {gpu}, torch {torch.__version__}, GPT {args.hidden}×{args.layers}"
         f" (vocab {args.vocab}, seq {args.seq}),"
         f" global batch {args.global_batch} sequences, {args.steps} steps (median after {args.warmup}),"
         f" overflow injected on the last rank at steps {args.poison_steps}"
