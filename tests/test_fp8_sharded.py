@@ -193,3 +193,18 @@ def test_a_saturation_flag_on_one_rank_skips_the_step_on_every_rank(tmp_path, st
     assert (r0["stats"]["steps"], r0["stats"]["skipped_steps"]) == (steps, 1)
     for name, value in r0["params"].items():
         assert torch.equal(value, r1["params"][name])
+
+
+# ------------------------------------------------------------------------------------------- FSDP's configuration
+def test_fp8_fsdp_config_keeps_fp32_shards_and_gathers_bf16_on_request():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    strategy = FSDPStrategy()
+    strategy.precision_plugin = MPPlugin("fp8")  # Lightning's type check passes: MPPlugin is an FSDPPrecision
+    config = strategy.mixed_precision_config
+    assert (config.param_dtype, config.reduce_dtype, config.buffer_dtype) == (None, None, None)  # fp32 throughout
+    config = MPPlugin("fp8", fsdp_param_dtype="bf16").mixed_precision_config
+    assert (config.param_dtype, config.reduce_dtype) == (torch.bfloat16, torch.float32)  # bf16 gathers, fp32 grads
+    assert MPPlugin("fp8", reduce_dtype="bf16").mixed_precision_config.reduce_dtype is torch.bfloat16
+    with pytest.raises(ValueError, match="fsdp_param_dtype='fp16' applies to precision='fp16'.*not to precision='fp8'"):
+        MPPlugin("fp8", fsdp_param_dtype="fp16")
