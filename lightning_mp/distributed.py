@@ -109,8 +109,9 @@ def prepare_te_for_fsdp(fsdp_root: Any) -> int:
 
 
 def sharded_before_setup(module: torch.nn.Module) -> bool:
-    """Whether ``module`` holds FSDP2 (``fully_shard``, DTensor) parameters: sharded in ``configure_model``."""
-    return any(_is_dtensor(p) for p in module.parameters())
+    """Whether ``module`` was sharded in ``configure_model``: FSDP2 (``fully_shard``, DTensor parameters) or FSDP
+    units wrapped there by hand (Lightning's FSDP strategy then wraps nothing more)."""
+    return any(is_fsdp(m) for m in module.modules()) or any(_is_dtensor(p) for p in module.parameters())
 
 
 def fsdp_gather_dtype(mode: Optional[PrecisionMode], fsdp_param_dtype: Optional[str]) -> Optional[torch.dtype]:

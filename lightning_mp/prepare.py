@@ -53,8 +53,9 @@ def prepare_fp8(pl_module: LightningModule, module: Optional[nn.Module] = None) 
         if fp8_gemm_modules(target):
             return target  # prepared by an earlier configure_model (fit, then validate): the plugin adopts it
         raise MisconfigurationException(
-            "prepare_fp8 found DTensor (sharded) parameters: fully_shard already ran on this model, and a sharded"
-            " layer cannot be replaced. Call prepare_fp8(self) first in configure_model, then fully_shard."
+            "prepare_fp8 found sharded parameters (DTensor, or FSDP units): fully_shard or FSDP wrapping already ran"
+            " on this model, and a sharded layer cannot be replaced. Call prepare_fp8(self) first in"
+            " configure_model, then fully_shard (or wrap)."
         )
     plugin._run.convert_fp8(target, trainer.strategy.root_device)
     return target

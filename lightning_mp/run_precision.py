@@ -155,9 +155,10 @@ class RunPrecision:
         elif presharded:
             if not fp8_gemm_modules(module):
                 raise MisconfigurationException(
-                    "MPPlugin(precision='fp8'): the model's parameters were sharded (FSDP2's fully_shard in"
-                    " configure_model) before this plugin could swap its linear layers for Transformer Engine's."
-                    " Call lightning_mp.prepare_fp8(self) at the top of configure_model, before fully_shard (it swaps"
+                    "MPPlugin(precision='fp8'): the model's parameters were sharded (FSDP2's fully_shard, or FSDP"
+                    " units wrapped in configure_model) before this plugin could swap its linear layers for"
+                    " Transformer Engine's. Call lightning_mp.prepare_fp8(self) at the top of configure_model,"
+                    " before fully_shard or the wrapping (it swaps"
                     " them with this plugin's fp8 settings and does nothing under other precisions), or build the"
                     " model from Transformer Engine modules."
                 )

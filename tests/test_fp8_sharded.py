@@ -32,6 +32,21 @@ def test_fp8_under_fsdp2_without_prepare_fp8_says_how(tmp_path):
         trainer_for(MPPlugin("fp8"), str(tmp_path)).fit(Sharded())
 
 
+class HandWrapped(FSDPRegressor):
+    """FSDP units wrapped by hand in configure_model (Lightning's FSDP strategy then wraps nothing more)."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if not isinstance(self.net1, FullyShardedDataParallel):
+            self.net1 = FullyShardedDataParallel(self.net1, device_id=torch.device("cpu"))
+
+
+def test_fp8_under_fsdp_with_units_wrapped_in_configure_model_says_how(tmp_path):
+    with pytest.raises(Exception, match=r"FSDP units wrapped in configure_model.*Call lightning_mp.prepare_fp8"):
+        fsdp_trainer(MPPlugin("fp8"), str(tmp_path)).fit(HandWrapped())
+
+
 class PreparedSharded(Sharded):
     """The FSDP2 model with ``prepare_fp8`` before ``fully_shard`` (or after it, with ``late=True``)."""
 
@@ -55,7 +70,7 @@ def test_prepare_fp8_converts_in_configure_model_under_fp8(tmp_path):
 
 
 def test_prepare_fp8_after_fully_shard_is_refused(tmp_path):
-    with pytest.raises(Exception, match="fully_shard already ran.*Call prepare_fp8\\(self\\) first"):
+    with pytest.raises(Exception, match="fully_shard or FSDP wrapping already ran.*Call prepare_fp8\\(self\\) first"):
         trainer_for(MPPlugin("fp8"), str(tmp_path)).fit(PreparedSharded(late=True))
 
 
@@ -80,10 +95,10 @@ class ShardedWithTELayers(Sharded):
 
 
 def test_prepare_fp8_leaves_a_sharded_model_with_te_layers_to_the_plugin(tmp_path):
-    # no "fully_shard already ran" error: the plugin adopts the model at set-up (and checks the device, here the CPU)
+    # no "already ran" error: the plugin adopts the model at set-up (and checks the device, here the CPU)
     with pytest.raises(Exception, match="precision='fp8' needs an NVIDIA GPU") as info:
         trainer_for(MPPlugin("fp8"), str(tmp_path)).fit(ShardedWithTELayers())
-    assert "fully_shard already ran" not in str(info.value) and "in adopt" in str(info.value)
+    assert "already ran" not in str(info.value) and "in adopt" in str(info.value)
 
 
 @pytest.mark.parametrize("plugins", [[MPPlugin("bf16")], None])
