@@ -1,4 +1,5 @@
-"""``prepare_fp8``: FP8 layers swapped in ``configure_model``, before FSDP2 (``fully_shard``) shards the model.
+"""``prepare_fp8``: FP8 layers swapped in ``configure_model``, before FSDP2's ``fully_shard`` (or FSDP units wrapped
+there by hand) shards the model.
 
 Lightning calls a precision plugin's ``convert_module`` after ``configure_model``: under ``ModelParallelStrategy``
 the parameters are DTensor shards by then and a layer can no longer be replaced. Transformer Engine's modules
@@ -12,7 +13,7 @@ shard like any other module, so the swap has to come first, inside ``configure_m
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in self.model.blocks:
             fully_shard(block, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
-        fully_shard(self, mesh=self.device_mesh["data_parallel"], mp_policy=policy)
+        fully_shard(self.model, mesh=self.device_mesh["data_parallel"], mp_policy=policy)  # what training_step calls
 """
 
 from __future__ import annotations
