@@ -141,7 +141,8 @@ def main() -> None:
         return
     mp.spawn(worker, args=(args, world, args.out), nprocs=world, join=True)
     ranks = [json.load(open(f"{args.out}.rank{r}.json")) for r in range(world)]
-    print(f"{world} x {torch.cuda.get_device_name(0)}: {args.layers} x te.Linear {args.hidden}, {args.tokens} tokens/GPU")
+    gpu = torch.cuda.get_device_name(0)
+    print(f"{world} x {gpu}: {args.layers} x te.Linear {args.hidden}, {args.tokens} tokens a GPU")
     print("| layout | step ms | peak GiB/GPU | gathered GiB/GPU/step | loss first -> last | same weights |")
     print("|---|---|---|---|---|---|")
     for i, row in enumerate(ranks[0]):
