@@ -98,16 +98,6 @@ def check_strategy(strategy: Any, mode: Optional[PrecisionMode], master_weights:
     return sharded
 
 
-def prepare_te_for_fsdp(fsdp_root: Any) -> int:
-    """FSDP (1): hand each Transformer Engine module that is an FSDP unit of its own its process group (Transformer
-    Engine's ``prepare_te_modules_for_fsdp``: its FP8 weight copies and saved activations are then sharded between
-    forward and backward as FSDP shards the weights); returns how many TE modules are FSDP units."""
-    from transformer_engine.pytorch.distributed import prepare_te_modules_for_fsdp
-
-    prepare_te_modules_for_fsdp(fsdp_root)
-    return sum(getattr(m, "fsdp_group", None) is not None for m in fsdp_root.modules())
-
-
 def sharded_before_setup(module: torch.nn.Module) -> bool:
     """Whether ``module`` was sharded in ``configure_model``: FSDP2 (``fully_shard``, DTensor parameters) or FSDP
     units wrapped there by hand (Lightning's FSDP strategy then wraps nothing more)."""
@@ -206,7 +196,11 @@ def connect(
     set-up (fp8); returns the root FSDP module."""
     fsdp_root = model if is_fsdp(model) else None
     if fsdp_root is not None and fp8:
-        prepare_te_for_fsdp(fsdp_root)
+        # each Transformer Engine module that is an FSDP unit of its own gets its process group (TE then shards its
+        # FP8 weight copies and saved activations between forward and backward, as FSDP shards the weights)
+        from transformer_engine.pytorch.distributed import prepare_te_modules_for_fsdp
+
+        prepare_te_modules_for_fsdp(fsdp_root)
     if fsdp_root is None and fsdp_param_dtype not in (None, "fp32"):
         rank_zero_warn(
             f"MPPlugin: fsdp_param_dtype={fsdp_param_dtype!r} is set, but the model is not wrapped by FSDP: it takes"

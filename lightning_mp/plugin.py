@@ -174,7 +174,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             distributed.check_fsdp_wraps_guards(module, guarded, self.mode, self.fsdp_param_dtype)
         if not self._run.sharded:  # (FSDP: the fp32 shards are the masters; it gathers half weights)
             cast_weights_(module, self.mode, guarded)
-        self._run.convert_fp8(module, device, presharded=distributed.sharded_before_setup(module))  # before optimizers
+        self._run.convert_fp8(module, device)  # swaps layers in place, before the optimizers exist
         self._converted = module
         return module
 

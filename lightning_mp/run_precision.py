@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_mp.distributed import REDUCE_DTYPES
+from lightning_mp.distributed import REDUCE_DTYPES, sharded_before_setup
 from lightning_mp.fp8 import FP8Config, FP8Training, fp8_gemm_modules
 from lightning_mp.modes import (
     AUTO,
@@ -141,18 +141,18 @@ class RunPrecision:
             self.scaler.ensure_initialized(device)
         self.apply_tf32()
 
-    def convert_fp8(self, module: Any, device: torch.device, *, presharded: bool = False) -> None:
+    def convert_fp8(self, module: Any, device: torch.device) -> None:
         """fp8: swap the linear layers for Transformer Engine's (checks the GPU and TE first; logs what it did).
 
         A model whose layers were swapped already (by :func:`lightning_mp.prepare_fp8` in ``configure_model``) is
-        adopted as it is; ``presharded`` (FSDP2 shards from ``configure_model``) needs that, or TE layers built in.
+        adopted as it is; a model sharded in ``configure_model`` needs that, or TE layers built in.
         """
         fp8 = self.fp8
         if self.mode is None or not self.mode.fp8 or fp8 is None or fp8.model is module:
             return
         if fp8.model is not None and any(m is fp8.model for m in module.modules()):
             fp8.adopt(module, device)  # a part converted in configure_model: state names are the whole module's
-        elif presharded:
+        elif sharded_before_setup(module):
             if not fp8_gemm_modules(module):
                 raise MisconfigurationException(
                     "MPPlugin(precision='fp8'): the model's parameters were sharded (FSDP2's fully_shard, or FSDP"

@@ -282,21 +282,19 @@ class DynamicLossScaler(torch.amp.GradScaler):
         is (or when finite gradients are so large, beyond ~1e19, that their norm overflows: such a step is
         skipped too). Reusing it spares the separate check pass. Returns whether the verdict was taken.
         """
-        if not self._enabled or self.scaling:
-            return False
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not OptState.READY:
-            return False
-        self._check_scale_growth_tracker("record_check_from_")
-        state["found_inf_per_device"] = {total.device: (~torch.isfinite(total.detach())).float()}
-        state["stage"] = OptState.UNSCALED
-        return True
+        ready = self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY
+        if not self._enabled or self.scaling or not ready:
+            return False  # (checked first: no flag kernel for a verdict that would not be taken)
+        return self.record_verdict_(optimizer, (~torch.isfinite(total.detach())).float())
 
-    def add_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+    def add_found_inf_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor, *, agreed: bool = False) -> None:
         """Fold another inf/NaN finding (a device tensor, > 0 when found) into this step's verdict, after the check.
 
         For what the gradients cannot show, e.g. an inf that an FP8 cast saturated into a finite value. The verdict
         stays 0 or 1 (fused optimizers skip on ``found_inf == 1``); no host sync. A disabled scaler skips nothing.
+        Where the verdict was reduced over the ranks already (the sharded scaler's ``unscale_``), a flag that is one
+        rank's (``agreed=False``) is reduced too, so every rank skips together; ``agreed=True`` for one that is the
+        same on every rank (a total norm over all shards, a decision already reduced).
         """
         if not self._enabled:
             return
@@ -304,6 +302,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.READY:
             raise RuntimeError("add_found_inf_() must follow unscale_() (or the check) for this optimizer.")
         bad = (flag.detach().reshape(()) > 0).float()
+        if not agreed and self.sync_across_ranks and self.verdict_agrees_across_ranks:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)  # enqueued on the device
         found = state["found_inf_per_device"]
         if not found:
             found[bad.device] = bad

@@ -287,7 +287,7 @@ class OptimizerSteps:
         if self.scaler is None:
             return
         if not self.scaler.record_check_from_(optimizer, norm):
-            self.scaler.add_found_inf_(optimizer, ~torch.isfinite(norm.detach()))
+            self.scaler.add_found_inf_(optimizer, ~torch.isfinite(norm.detach()), agreed=True)  # the norm of all shards
         state.dirty = False
 
     def _check(self, optimizer: Optimizer, state: _OptimizerState) -> None:
@@ -346,9 +346,7 @@ class OptimizerSteps:
                 if self.saturation is not None:
                     saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
                     if saturated is not None:
-                        if scaler.sync_across_ranks and scaler.verdict_agrees_across_ranks:
-                            saturated = all_ranks_agree(saturated)  # FSDP reduced its verdict: this one is a rank's
-                        scaler.add_found_inf_(optimizer, saturated)
+                        scaler.add_found_inf_(optimizer, saturated)  # (one rank's: reduced where the verdict was)
                 spike = self._spike_verdict(optimizer, state) if self.spike is not None else None
                 scaler.begin_step()
                 out = scaler.step(optimizer, **kwargs)
@@ -394,7 +392,7 @@ class OptimizerSteps:
             spike = torch.zeros((), dtype=torch.bool, device=scaler.scale_device)
         else:
             spike = all_ranks_agree(self.spike.decide(self._loss, norm))
-        scaler.add_found_inf_(optimizer, spike)
+        scaler.add_found_inf_(optimizer, spike, agreed=True)
         return spike, inf_only, norm
 
     def _abandon(self, state: _OptimizerState) -> None:

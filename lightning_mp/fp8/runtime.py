@@ -407,12 +407,14 @@ FP8_GEMM_MODULES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear"
 
 def fp8_gemm_modules(model: nn.Module) -> list[nn.Module]:
     """The Transformer Engine modules in ``model`` that run FP8 GEMMs (``te.Linear``, ``te.LayerNormLinear``...)."""
-    return [m for m in model.modules() if _is_fp8_gemm_class(type(m))]
+    return [m for m in model.modules() if _is_te_class(type(m), FP8_GEMM_MODULES)]
 
 
-def _is_fp8_gemm_class(cls: type) -> bool:
-    # through the class FSDP2's fully_shard gives a module it shards itself (a subclass made on the fly)
-    return any(c.__module__.startswith("transformer_engine.") and c.__name__ in FP8_GEMM_MODULES for c in cls.__mro__)
+def _is_te_class(cls: type, names: Optional[tuple[str, ...]] = None) -> bool:
+    """A Transformer Engine module class (of ``names``, when given), also through the subclass FSDP2's fully_shard
+    makes on the fly for a module it shards itself."""
+    return any(c.__module__.startswith("transformer_engine.") and (names is None or c.__name__ in names)
+               for c in cls.__mro__)  # fmt: skip
 
 
 def _is_delayed(recipe: Any) -> bool:
@@ -587,7 +589,7 @@ def install_checkpoint_hooks(model: nn.Module) -> int:
     """
     count = 0
     for module in model.modules():
-        if not any(c.__module__.startswith("transformer_engine") for c in type(module).__mro__):  # FSDP2's subclass too
+        if not _is_te_class(type(module)):
             continue
         if type(module).get_extra_state is nn.Module.get_extra_state or module.__dict__.get("_mp_fp8_hooks"):
             continue
@@ -707,8 +709,7 @@ class FP8Training:
             announce=announce,
         )
         apply_weights_dtype(model, self.config.weights)
-        install_checkpoint_hooks(model)
-        self._model, self.report = model, report
+        self.report = report
         if not any(r.kind == "Linear" for r in report.converted) and not report.already_te:
             warnings.warn(
                 "precision='fp8' converted no nn.Linear layer, so nothing runs in FP8 and the run is bf16 with"
@@ -716,10 +717,7 @@ class FP8Training:
                 " (size_rule='off', keep_last=0, include/exclude).",
                 stacklevel=2,
             )
-        self.weight_cache.weights_updated()
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.load_state_dict(pending)
+        self._take(model)
         return report
 
     def adopt(self, model: nn.Module, device: Union[str, torch.device, None] = None) -> int:
@@ -733,14 +731,17 @@ class FP8Training:
             fp8.adopt(lightning_module)                          # at set-up: state names are the whole module's
         """
         self.check(torch.device(device) if device is not None else torch.device("cuda"))
-        found = len(fp8_gemm_modules(model))
+        self._take(model)
+        return len(fp8_gemm_modules(model))
+
+    def _take(self, model: nn.Module) -> None:
+        """``model`` is the FP8 model from now on: checkpoint hooks, fresh weight casts, a state waiting applied."""
         install_checkpoint_hooks(model)
         self._model = model
         self.weight_cache.weights_updated()
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.load_state_dict(pending)
-        return found
 
     def configure_weight_cache(self, *, accumulate_grad_batches: int = 1, automatic_optimization: bool = True) -> bool:
         """Attach or detach the :class:`MicrobatchWeightCache` per ``cache_fp8_weights``; returns whether it is on.

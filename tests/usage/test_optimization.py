@@ -475,11 +475,14 @@ class OptSAMModel(LightningModule):
 
         def closure():
             opt.zero_grad()
-            loss = _mse(self.net(x), y)
+            loss = _mse(self.net(x), y) * self.closure_factor(batch_idx)
             self.manual_backward(loss)
             return loss
 
         opt.step(closure=closure)
+
+    def closure_factor(self, batch_idx: int) -> float:
+        return 1.0
 
     def configure_optimizers(self):
         return OptSAM(self.parameters())
@@ -538,19 +541,8 @@ def test_closure_taking_optimizer_trains(mode):
 class OptSAMPoisoned(OptSAMModel):
     """The closure's gradient (at SAM's perturbed point) is NaN on one batch: that step must change nothing."""
 
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        opt = self.optimizers()
-        opt.zero_grad()
-        self.manual_backward(_mse(self.net(x), y))
-
-        def closure():
-            opt.zero_grad()
-            loss = _mse(self.net(x), y) * (math.nan if batch_idx == 2 else 1.0)
-            self.manual_backward(loss)
-            return loss
-
-        opt.step(closure=closure)
+    def closure_factor(self, batch_idx: int) -> float:
+        return math.nan if batch_idx == 2 else 1.0
 
 
 @pytest.mark.parametrize(
