@@ -224,7 +224,11 @@ def worker(cfg: dict[str, Any]) -> None:
         if not modules:
             return None
         tensors = [t for entry in modules.values() for t in entry.values() if isinstance(t, torch.Tensor)]
-        return [float(sum(t.double().sum() for t in tensors)), float(len(tensors))]
+        scales = [t for entry in modules.values() for k, t in entry.items() if k in ("scale_fwd", "scale_bwd")]
+        # (the scales alone too: with FP8 primary weights each rank's optimizer step records its own shard's amax,
+        # reduced over the ranks at the next forward, so the newest history row may differ at the end of a run)
+        total = float(sum(t.double().sum() for t in tensors))
+        return [total, float(len(tensors)), float(sum(t.double().sum() for t in scales))]
 
     plugins: list[Any] = []
     trainer_precision: Optional[str] = None
@@ -369,6 +373,8 @@ def run(
         same_weights_all_ranks=all(r["fingerprint"] == r0["fingerprint"] for r in ranks),
         same_stats_all_ranks=all(r["stats"] == r0["stats"] for r in ranks),
         same_fp8_state_all_ranks=all(r.get("fp8_state") == r0.get("fp8_state") for r in ranks),
+        same_fp8_scales_all_ranks=all((r.get("fp8_state") or [0] * 3)[2:] == (r0.get("fp8_state") or [0] * 3)[2:]
+                                      for r in ranks),
         fp8_state=r0.get("fp8_state"),
         fingerprint=r0["fingerprint"],
         stats=r0["stats"],

@@ -78,7 +78,8 @@ class QuantizedTensor(torch.Tensor):
 
 
 class Float8Tensor(QuantizedTensor):
-    pass
+    def _reset_caches(self) -> None:  # TE: the cached FP8 transpose is stale after an in-place write
+        self._transpose_invalid = True
 
 
 class Float8Quantizer:
@@ -149,7 +150,9 @@ def test_seed_masters_starts_the_masters_from_the_exact_fp32_weights():
     assert type(master) is torch.Tensor and master.dtype is torch.float32
     assert torch.equal(master, EXACT) and not torch.equal(master, layer.weight.dequantize())
     assert torch.equal(opt.state[layer.weight]["exp_avg"], torch.zeros(2, 2))  # initialize_state ran first
-    assert layer.bias not in opt.state  # a plain parameter: left to the optimizer
+    # every other parameter's state too, as the first step would make it (a distributed checkpoint fills only the
+    # state an optimizer has): the bias's master is its own value
+    assert torch.equal(opt.state[layer.bias]["master_param"], layer.bias.detach())
     assert seed_masters(layer, [opt]) == 0  # the originals are consumed
     assert torch.equal(opt.state[layer.weight]["master_param"], EXACT)
 
@@ -165,6 +168,19 @@ def test_requantize_from_masters_writes_each_fp8_weight_from_its_master():
     assert layer.weight is weight and is_quantized(layer.weight)  # written in place
     assert torch.equal(layer.weight.dequantize(), (EXACT * 3).to(torch.bfloat16).float())
     assert torch.equal(opt.state[layer.weight]["master_param"], EXACT * 3)
+    assert layer.weight._transpose_invalid  # the next backward transposes the new bytes
+
+
+def test_each_optimizer_step_marks_the_fp8_weights_transposes_stale():
+    from lightning_mp.fp8 import FP8Training
+
+    model = nn.Sequential(fp8_linear(), nn.ReLU(), fp8_linear(), nn.Linear(2, 2))
+    fp8 = FP8Training({"weights": "fp8"})
+    fp8._take(model)  # what convert/adopt end with
+    for i in (0, 2):
+        model[i].weight._transpose_invalid = False
+    fp8.weights_updated()  # MPPlugin calls it after every optimizer step
+    assert model[0].weight._transpose_invalid and model[2].weight._transpose_invalid
 
 
 def test_primary_hooks_save_plain_tensors_that_weights_only_loads():

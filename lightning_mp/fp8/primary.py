@@ -102,7 +102,26 @@ def seed_masters(model: nn.Module, optimizers: list[Optimizer]) -> int:
                 opt.initialize_state(param, False)
             opt.set_scaled_state(param, "master_param", _shard_like(original, param))
             seeded += 1
+        if seeded:
+            # every parameter's state now, as the first step would make it: torch's distributed checkpoint fills
+            # the state an optimizer has, and initialises it itself only for an optimizer that has none
+            for param in (p for g in opt.param_groups for p in g["params"]):
+                if not opt.state.get(param):
+                    opt.initialize_state(param, False)
     return seeded
+
+
+def refresh_transposes(params: list[Tensor]) -> None:
+    """Mark the cached FP8 transposes of FP8 primary weights stale after they were written in place (an optimizer
+    step quantizes the masters into them): the next backward transposes the new bytes instead of reusing the old.
+
+    Transformer Engine's ``_reset_caches`` ("should be called after any in-place operation"); FSDP2 builds each
+    gathered weight anew, so there this only touches the local shards.
+    """
+    for param in params:
+        reset = getattr(_local(param), "_reset_caches", None)
+        if reset is not None:
+            reset()
 
 
 def requantize_from_masters(optimizers: list[Optimizer]) -> int:
@@ -118,6 +137,7 @@ def requantize_from_masters(optimizers: list[Optimizer]) -> int:
                 master = _local(get(param, "master_param"))
                 with torch.no_grad():
                     _local(param).quantize_(master)
+                refresh_transposes([param])
                 done += 1
     return done
 

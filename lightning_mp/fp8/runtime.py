@@ -52,7 +52,13 @@ from torch import Tensor, nn
 from lightning_mp.fp8.config import RECIPE_CLASSES, FP8Config
 from lightning_mp.fp8.convert import ConversionReport, apply_weights_dtype, convert_to_te
 from lightning_mp.fp8.filters import ModuleFilterFn
-from lightning_mp.fp8.primary import install_primary_hooks, quantized_parameters, requantize_from_masters, seed_masters
+from lightning_mp.fp8.primary import (
+    install_primary_hooks,
+    quantized_parameters,
+    refresh_transposes,
+    requantize_from_masters,
+    seed_masters,
+)
 from lightning_mp.fp8.sentinel import SaturationSentinel
 
 log = logging.getLogger("lightning_mp.fp8")
@@ -666,6 +672,7 @@ class FP8Training:
         self.sentinel = SaturationSentinel()
         self._optimizers: list[Any] = []  # with FP8 primary weights: the optimizers holding their masters
         self._requantize = False  # FP8 primary weights are written from their masters at the next training step
+        self._fp8_params: list[Tensor] = []  # the FP8 primary weights (weights="fp8")
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -744,6 +751,7 @@ class FP8Training:
         """``model`` is the FP8 model from now on: checkpoint hooks, fresh weight casts, a state waiting applied."""
         install_checkpoint_hooks(model)
         install_primary_hooks(model)
+        self._fp8_params = [p for _, _, p in quantized_parameters(model)]
         self._model = model
         self.weight_cache.weights_updated()
         if self._pending is not None:
@@ -809,8 +817,10 @@ class FP8Training:
         return _FP8Region(self, training)
 
     def weights_updated(self) -> None:
-        """Call after every optimizer step: cached FP8 weight casts are stale."""
+        """Call after every optimizer step: cached FP8 weight casts (and FP8 weights' transposes) are stale."""
         self.weight_cache.weights_updated()
+        if self._fp8_params:
+            refresh_transposes(self._fp8_params)
 
     def watch_saturation(self, on: bool = True) -> Optional[str]:
         """Start (or stop) the saturation sentinel on the converted model's FP8 modules; returns its mode.

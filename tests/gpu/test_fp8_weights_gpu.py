@@ -196,7 +196,8 @@ def test_fp8_weights_under_fsdp2_skip_together_and_follow_one_gpu(rows, name):
     row = rows[name]
     assert "error" not in row, row.get("error")
     assert row["skipped_per_rank"] == [[5, 8, 11]] * row["devices"], name
-    assert row["same_weights_all_ranks"] and row["same_fp8_state_all_ranks"], name
+    # the scales agree; the newest amax-history row holds each rank's own shard amax until the next forward reduces it
+    assert row["same_weights_all_ranks"] and row["same_fp8_scales_all_ranks"], name
     if row["devices"] > 1:
         assert row["loss_window_max_rel_diff"] <= 0.01, (name, row["loss_window_max_rel_diff"])
     if "resume" in name:
