@@ -106,8 +106,9 @@ class FakeFusedAdam(torch.optim.Optimizer):
     def get_unscaled_state(self, param, name):
         return self.state[param][name]
 
-    def step(self, closure=None):
-        return None
+    def step(self, closure=None):  # TE's FusedAdam counts steps per param group, from 1 at the first
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
 
 
 EXACT = torch.tensor([[1.0 + 2.0**-12, -3.0009766], [0.3333333, 250.1]])  # none of them representable in bf16
@@ -132,7 +133,7 @@ def test_is_quantized_recognises_te_tensors_by_class_name():
 
 def test_seed_masters_refuses_an_optimizer_without_masters():
     layer = fp8_linear()
-    with pytest.raises(ValueError, match="stores 1 weights in FP8.*but AdamW keeps none.*FusedAdam") as info:
+    with pytest.raises(ValueError, match=r"stores 1 weight\(s\) in FP8.*but AdamW keeps none.*FusedAdam") as info:
         seed_masters(layer, [torch.optim.AdamW(layer.parameters())])
     assert "master_weights=True" in str(info.value)
     with pytest.raises(ValueError, match="FakeFusedAdam keeps none"):
@@ -218,3 +219,27 @@ def test_loading_a_plain_weight_fits_its_delayed_scale_first():
     model.load_state_dict(state)
     assert torch.equal(model[0].weight._quantizer.scale, torch.tensor([448.0 / 16.0]))
     assert is_quantized(model[0].weight) and torch.equal(model[0].weight.dequantize(), state["0.weight"])
+
+
+def test_a_distributed_checkpoint_restores_the_adam_step_count_after_seeding(tmp_path):
+    # torch's distributed checkpoint (FSDP2's) fills only the entries an optimizer already has, and makes them by a
+    # dry step only for an optimizer with no state at all: seeding made state, so the step count must be there too
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    layer = fp8_linear()
+    opt = FakeFusedAdam(layer.parameters())
+    seed_masters(layer, [opt])
+    for _ in range(3):
+        opt.step()
+    assert opt.param_groups[0]["step"] == 3
+    dcp.save({"optim": get_optimizer_state_dict(layer, opt)}, checkpoint_id=str(tmp_path))
+
+    fresh = fp8_linear()
+    fresh_opt = FakeFusedAdam(fresh.parameters())
+    seed_masters(fresh, [fresh_opt])  # at set-up, before the checkpoint is restored
+    assert fresh_opt.param_groups[0]["step"] == 0  # as TE's FusedAdam counts: the first step makes it 1
+    template = {"optim": get_optimizer_state_dict(fresh, fresh_opt)}
+    dcp.load(template, checkpoint_id=str(tmp_path))
+    set_optimizer_state_dict(fresh, fresh_opt, optim_state_dict=template["optim"])
+    assert fresh_opt.param_groups[0]["step"] == 3

@@ -88,7 +88,7 @@ def seed_masters(model: nn.Module, optimizers: list[Optimizer]) -> int:
             continue
         if not keeps_own_masters(opt) or not callable(getattr(opt, "set_scaled_state", None)):
             raise ValueError(
-                f"fp8={{'weights': 'fp8'}} stores {len(params)} weights in FP8, so their fp32 master weights must"
+                f"fp8={{'weights': 'fp8'}} stores {len(params)} weight(s) in FP8, so their fp32 master weights must"
                 f" live in the optimizer, but {type(opt).__name__} keeps none. Use Transformer Engine's"
                 " FusedAdam(params, master_weights=True) (transformer_engine.pytorch.optimizers), or"
                 " fp8={'weights': 'fp32'} (the default) with any optimizer."
@@ -102,13 +102,27 @@ def seed_masters(model: nn.Module, optimizers: list[Optimizer]) -> int:
                 opt.initialize_state(param, False)
             opt.set_scaled_state(param, "master_param", _shard_like(original, param))
             seeded += 1
-        if seeded:
-            # every parameter's state now, as the first step would make it: torch's distributed checkpoint fills
-            # the state an optimizer has, and initialises it itself only for an optimizer that has none
-            for param in (p for g in opt.param_groups for p in g["params"]):
-                if not opt.state.get(param):
-                    opt.initialize_state(param, False)
+        # every parameter's state now, as the first step would make it (masters from the FP8 values where no exact
+        # original is left): torch's distributed checkpoint fills the state an optimizer has, and makes it itself
+        # only for an optimizer that has none
+        for param in (p for g in opt.param_groups for p in g["params"]):
+            if not opt.state.get(param):
+                opt.initialize_state(param, False)
+        _start_step_counts(opt)
     return seeded
+
+
+def _start_step_counts(opt: Optimizer) -> None:
+    """Give each param group the step count Transformer Engine's ``FusedAdam`` makes at its first step (0, so the
+    first step counts 1). A distributed checkpoint restores only the entries the optimizer has: without it a
+    resumed run would restart Adam's bias correction at step 1 while its moments carry on."""
+    for group in opt.param_groups:
+        if "step" not in group:
+            if getattr(opt, "capturable", False):
+                device = group["params"][0].device if group["params"] else None
+                group["step"] = torch.zeros(1, dtype=torch.int, device=device)
+            else:
+                group["step"] = 0
 
 
 def refresh_transposes(params: list[Tensor]) -> None:
