@@ -68,6 +68,17 @@ FP8_RESUME_RUNS = [
     ("fsdp2 mp-fp8 resume", "fsdp2", 2, "mp:fp8", {}, {"resume": "sharded"}),
     ("ddp mp-fp8 resume", "ddp", 2, "mp:fp8", {}, {"resume": "full"}),
 ]
+#: with --fp8-weights: FP8 primary weights (fp8={"weights": "fp8"}: FSDP2 gathers FP8, Transformer Engine's FusedAdam
+#: keeps the fp32 masters) beside the fp32 shards with bf16 gathers, under torch's AdamW and under FusedAdam
+FP8_WEIGHT = {"fp8": {"weights": "fp8"}}
+TE_ADAM_BF16 = {"fsdp2_param_dtype": "bf16", "optimizer": "te-adam"}
+FP8_WEIGHT_RUNS = [
+    ("1gpu mp-fp8 fp8-weights", "single", 1, "mp:fp8", FP8_WEIGHT, {"optimizer": "te-adam"}),
+    ("fsdp2 mp-fp8 bf16-gather", "fsdp2", 2, "mp:fp8", {}, {"fsdp2_param_dtype": "bf16"}),
+    ("fsdp2 mp-fp8 bf16-gather te-adam", "fsdp2", 2, "mp:fp8", {}, TE_ADAM_BF16),
+    ("fsdp2 mp-fp8 fp8-weights", "fsdp2", 2, "mp:fp8", FP8_WEIGHT, TE_ADAM_BF16),
+    ("fsdp2 mp-fp8 fp8-weights resume", "fsdp2", 2, "mp:fp8", FP8_WEIGHT, {**TE_ADAM_BF16, "resume": "sharded"}),
+]
 #: with --more: true-half (fp32 masters; under FSDP the shards are the masters) and where MPPlugin's DDP time goes
 MORE_RUNS = [
     ("1gpu mp-bf16-true", "single", 1, "mp:bf16-true"),
@@ -158,6 +169,12 @@ def worker(cfg: dict[str, Any]) -> None:
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             # FSDP's flat parameters live on the wrapped model (Lightning's rule for FSDP optimizers)
+            if opts.get("optimizer") == "te-adam":  # Transformer Engine's; it keeps the masters of FP8 weights
+                from transformer_engine.pytorch.optimizers import FusedAdam
+
+                fp8_weights = (cfg["plugin_kwargs"].get("fp8") or {}).get("weights") == "fp8"
+                params = self.trainer.model.parameters()
+                return FusedAdam(params, lr=cfg["lr"], weight_decay=0.01, master_weights=fp8_weights)
             return torch.optim.AdamW(self.trainer.model.parameters(), lr=cfg["lr"], fused=cuda)
 
     class Probe(pl.Callback):
@@ -190,9 +207,8 @@ def worker(cfg: dict[str, Any]) -> None:
         if ctx is not None:
             ctx.__enter__()
         try:
-            values = [
-                (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double() for p in module.gpt.parameters()
-            ]
+            values = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in module.gpt.parameters()]
+            values = [(v.dequantize() if hasattr(v, "dequantize") else v).double() for v in values]  # FP8 weights
             total = sum(v.sum() for v in values)
             squares = sum(v.square().sum() for v in values)
             return [float(total), float(squares)]
@@ -208,7 +224,11 @@ def worker(cfg: dict[str, Any]) -> None:
         if not modules:
             return None
         tensors = [t for entry in modules.values() for t in entry.values() if isinstance(t, torch.Tensor)]
-        return [float(sum(t.double().sum() for t in tensors)), float(len(tensors))]
+        scales = [t for entry in modules.values() for k, t in entry.items() if k in ("scale_fwd", "scale_bwd")]
+        # (the scales alone too: with FP8 primary weights each rank's optimizer step records its own shard's amax,
+        # reduced over the ranks at the next forward, so the newest history row may differ at the end of a run)
+        total = float(sum(t.double().sum() for t in tensors))
+        return [total, float(len(tensors)), float(sum(t.double().sum() for t in scales))]
 
     plugins: list[Any] = []
     trainer_precision: Optional[str] = None
@@ -353,6 +373,8 @@ def run(
         same_weights_all_ranks=all(r["fingerprint"] == r0["fingerprint"] for r in ranks),
         same_stats_all_ranks=all(r["stats"] == r0["stats"] for r in ranks),
         same_fp8_state_all_ranks=all(r.get("fp8_state") == r0.get("fp8_state") for r in ranks),
+        same_fp8_scales_all_ranks=all((r.get("fp8_state") or [0] * 3)[2:] == (r0.get("fp8_state") or [0] * 3)[2:]
+                                      for r in ranks),
         fp8_state=r0.get("fp8_state"),
         fingerprint=r0["fingerprint"],
         stats=r0["stats"],
@@ -385,13 +407,16 @@ def window_rel_diffs(losses: list[float], base: list[float], window: int, leave_
 def check(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     """Fill each row's verdicts: skips as injected on every rank, weights equal across ranks, loss = one GPU,
     and a resumed run = the same run uninterrupted (losses and final weights)."""
-    def key(row: dict[str, Any]) -> tuple[str, str]:  # the mode and its fp8 settings: what one GPU must match
-        return row["precision"], json.dumps(row["kwargs"].get("fp8"), sort_keys=True)
+    def key(row: dict[str, Any]) -> tuple[str, str, str]:  # mode, fp8 settings, optimizer: what one GPU must match
+        return row["precision"], json.dumps(row["kwargs"].get("fp8"), sort_keys=True), row["options"].get("optimizer")
 
     single = {
         key(r): r
         for r in rows
-        if r["strategy"] == "single" and "error" not in r and not (set(r["kwargs"]) - {"fp8"}) and not r["options"]
+        if r["strategy"] == "single"
+        and "error" not in r
+        and not (set(r["kwargs"]) - {"fp8"})
+        and not (set(r["options"]) - {"optimizer"})
     }
     by_name = {r["run"]: r for r in rows}
     poisoned_anywhere = set(args.act_poison_steps)  # an input poison changes that step's loss on the poisoned share
@@ -482,6 +507,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--more", action="store_true", help="add the true-half and diagnostic runs (about 3 more minutes)")
     p.add_argument("--fp8", action="store_true", help="add the FP8 runs (needs Transformer Engine)")
     p.add_argument("--fp8-resume", action="store_true", help="add the FP8 resume runs (with --fp8)")
+    p.add_argument("--fp8-weights", action="store_true", help="add the FP8 primary-weight runs (FP8 gathers)")
     p.add_argument("--fp8-options", default=None, help="JSON of fp8 settings for the fp8 runs, e.g. a layer filter")
     p.add_argument("--act-poison-steps", type=int, nargs="*", default=[18],
                    help="fp8 runs: steps whose first FP8 layer input gets an inf on the last rank (saturation)")
@@ -506,6 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     runs = [
         r for r in RUNS + (MORE_RUNS if args.more or args.runs else [])
         + (FP8_RUNS if args.fp8 or args.runs else []) + (FP8_RESUME_RUNS if args.fp8_resume or args.runs else [])
+        + (FP8_WEIGHT_RUNS if args.fp8_weights or args.runs else [])
         if r[2] <= count and (not args.runs or r[0] in args.runs)
         and (args.accelerator == "cuda" or (r[1] != "fsdp" and r[3].startswith("mp:")))  # Lightning: FSDP needs CUDA
     ]
@@ -530,6 +557,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         f" (vocab {args.vocab}, seq {args.seq}),"
         f" global batch {args.global_batch} sequences, {args.steps} steps (median after {args.warmup}),"
         f" overflow injected on the last rank at steps {args.poison_steps}"
+        + (f", an inf into the first FP8 layer's input at steps {args.act_poison_steps}" * bool(args.act_poison_steps))
     )
     text = header + "\n\n" + table(rows)
     if args.out:

@@ -69,7 +69,9 @@ def grads_synced(module: Any) -> bool:
     return True
 
 
-def check_strategy(strategy: Any, mode: Optional[PrecisionMode], master_weights: Optional[str]) -> bool:
+def check_strategy(
+    strategy: Any, mode: Optional[PrecisionMode], master_weights: Optional[str], fp8_config: Any = None
+) -> bool:
     """Refuse what a strategy cannot run; returns whether it is Lightning's FSDP strategy (sharded scaler)."""
     if is_strategy(strategy, "DeepSpeedStrategy"):
         raise MisconfigurationException(
@@ -88,6 +90,8 @@ def check_strategy(strategy: Any, mode: Optional[PrecisionMode], master_weights:
             " configure_model (the fp32 shards are then the master weights) and use MPPlugin('bf16') for step"
             " skipping and guards."
         )
+    if mode.fp8 and getattr(fp8_config, "weights", None) == "fp8":
+        _check_fp8_weights_strategy(strategy)
     if sharded and mode.true_half and master_weights != "fp32":
         raise MisconfigurationException(
             f"MPPlugin(precision={mode.name!r}, master_weights={master_weights!r}) does not run under FSDP:"
@@ -96,6 +100,22 @@ def check_strategy(strategy: Any, mode: Optional[PrecisionMode], master_weights:
             " with strategy='ddp'."
         )
     return sharded
+
+
+def _check_fp8_weights_strategy(strategy: Any) -> None:
+    if is_strategy(strategy, "FSDPStrategy"):
+        raise MisconfigurationException(
+            "MPPlugin('fp8', fp8={'weights': 'fp8'}) does not run under FSDPStrategy: FSDP (1) flattens parameters"
+            " and cannot shard Transformer Engine's FP8 weights. Use ModelParallelStrategy (FSDP2: it gathers them in"
+            " FP8), or fp8={'weights': 'fp32'} with fsdp_param_dtype='bf16' (bf16 gathers) under FSDPStrategy."
+        )
+    if is_strategy(strategy, "DDPStrategy"):
+        raise MisconfigurationException(
+            "MPPlugin('fp8', fp8={'weights': 'fp8'}) does not run under DDP: every GPU holds the whole model there,"
+            " so nothing is gathered that FP8 weights could halve, and DDP's broadcast and gradient buckets take plain"
+            " tensors. Use fp8={'weights': 'fp32'} (the default) or 'bf16' with DDP, or ModelParallelStrategy"
+            " (FSDP2) for FP8 gathers."
+        )
 
 
 def sharded_before_setup(module: torch.nn.Module) -> bool:

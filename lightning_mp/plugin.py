@@ -160,7 +160,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
         strategy = distributed.strategy_of(module)
-        self._run.set_sharded(distributed.check_strategy(strategy, self.mode, self.master_weights))
+        self._run.set_sharded(distributed.check_strategy(strategy, self.mode, self.master_weights, self.fp8_config))
         self.stats.set_scaler(self.scaler)
         device = distributed.root_device(distributed.unwrap_lightning_module(module), module)
         spec = self.fp32_guards
@@ -199,7 +199,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self.stats.set_namer(self._weights.namer(module or model))
         if self.hold_schedulers_on_skip and self.scaler is not None:
             self._hold.install(module, lr_schedulers, skipped_for=self._steps.skipped_for)
-        self._run.connect_fp8(module, device, watch=self.scaler is not None)
+        self._run.connect_fp8(module, device, watch=self.scaler is not None, optimizers=raw)
         return model, optimizers, lr_schedulers
 
     @override

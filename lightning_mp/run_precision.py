@@ -166,10 +166,16 @@ class RunPrecision:
         else:
             fp8.convert(module, device=device, announce=rank_zero_info)
 
-    def connect_fp8(self, module: Any, device: torch.device, *, watch: bool) -> None:
+    def connect_fp8(self, module: Any, device: torch.device, *, watch: bool, optimizers: list) -> None:
         if self.fp8 is None or not self.mode.fp8:
             return
         self.fp8.check(device)  # recipe-specific: e.g. mxfp8 needs Blackwell
+        try:
+            seeded = self.fp8.connect_optimizers(optimizers)  # FP8 primary weights: masters in the optimizer
+        except ValueError as err:
+            raise MisconfigurationException(f"MPPlugin(precision='fp8'): {err}") from None
+        if seeded:
+            rank_zero_info(f"MPPlugin: {seeded} FP8 weights' optimizer-held masters start from the exact fp32 weights.")
         trainer = getattr(module, "_trainer", None)
         self.fp8.configure_weight_cache(
             accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),

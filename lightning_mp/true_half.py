@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.distributed import world_size
+from lightning_mp.fp8.primary import is_quantized
 from lightning_mp.master import (
     FP32MasterWeights,
     MasterWeights,
@@ -150,7 +151,8 @@ def _warn_redundant_optimizer_masters(mode: PrecisionMode, optimizers: list[Opti
     """An optimizer that keeps fp32 masters of parameters that are fp32 already holds a second fp32 copy."""
     for opt in optimizers:
         params = [p for g in opt.param_groups for p in g["params"]]
-        if keeps_own_masters(opt) and params and all(p.dtype == torch.float32 for p in params):
+        plain = all(p.dtype == torch.float32 and not is_quantized(p) for p in params)  # (FP8 weights: fp32 nominal)
+        if keeps_own_masters(opt) and params and plain:
             way = (
                 "fp8={'weights': 'bf16'} (the optimizer's masters are then the fp32 copy)"
                 if mode.fp8

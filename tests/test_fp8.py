@@ -181,7 +181,7 @@ def test_config_from_value():
         ({"size_rule": "big"}, r"fp8 size_rule='big' is invalid\. Accepted values: 'auto', 'off'"),
         ({"size_rule": "off", "min_features": 512}, r"min_features=512 takes effect with size_rule='auto' only"),
         ({"min_features": -3}, r"fp8 min_features=-3 is invalid"),
-        ({"weights": "fp16"}, r"fp8 weights='fp16' is invalid\. Accepted values: 'fp32', 'bf16'"),
+        ({"weights": "fp16"}, r"fp8 weights='fp16' is invalid\. Accepted values: 'fp32', 'bf16', 'fp8'"),
         ({"fp8_in_eval": "yes"}, r"fp8 fp8_in_eval='yes' is invalid: use true or false"),
         ({"convert_layernorm": 1}, r"convert_layernorm=1 is invalid: use true or false"),
         ({"check_saturation": "no"}, r"check_saturation='no' is invalid: use true or false"),
@@ -394,8 +394,8 @@ def test_swap_bf16_weights_and_module_filter_fn():
     }
     apply_weights_dtype(model, "bf16")
     assert model.emb.weight.dtype == torch.bfloat16
-    with pytest.raises(ValueError, match=r"weights='fp8' is invalid\. Accepted values: 'fp32', 'bf16'"):
-        apply_weights_dtype(model, "fp8")
+    with pytest.raises(ValueError, match=r"weights='fp16' is invalid\. Accepted values: 'fp32', 'bf16', 'fp8'"):
+        apply_weights_dtype(model, "fp16")
 
 
 def test_bf16_weights_leave_fp32_guarded_modules_alone():

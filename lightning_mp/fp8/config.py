@@ -36,7 +36,7 @@ RECIPE_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "amax_compute_algo": ("delayed",),
 }
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-WEIGHTS = ("fp32", "bf16")
+WEIGHTS = ("fp32", "bf16", "fp8")
 SIZE_RULES = ("auto", "off")
 CACHE_MODES = ("auto", "always", "never")
 
@@ -82,7 +82,12 @@ class FP8Config:
         convert_layernorm: also swap ``nn.LayerNorm`` for ``te.LayerNorm`` (a fused kernel with bf16 output).
         weights: ``"fp32"`` keeps fp32 master weights (TE modules with fp32 parameters under bf16 autocast;
             the optimizer steps fp32); ``"bf16"`` stores the whole model in bf16, as Lightning's
-            ``precision="transformer-engine"`` does (less memory, no fp32 copy).
+            ``precision="transformer-engine"`` does (less memory, no fp32 copy); ``"fp8"`` stores the FP8 layers'
+            weights in FP8 (Transformer Engine's ``quantized_model_init``): FSDP2 (``ModelParallelStrategy``)
+            gathers them in FP8, half the bytes of a bf16 gather, and the fp32 master weights live in the
+            optimizer, which must keep them (Transformer Engine's ``FusedAdam(master_weights=True)``; they start
+            from the exact fp32 weights). One GPU or FSDP2 only: DDP gathers nothing, and FSDP (1) cannot shard
+            FP8 parameters.
         fp8_in_eval: run validation/test/predict in FP8 too; by default they run in bf16 (autocast).
         cache_fp8_weights: pass ``is_first_microbatch`` to Transformer Engine so a weight is cast to FP8 once
             per optimizer step, not once per micro-batch. ``"auto"``: when ``accumulate_grad_batches > 1``;
@@ -105,7 +110,7 @@ class FP8Config:
     size_rule: Literal["auto", "off"] = "auto"
     min_features: Optional[int] = None
     convert_layernorm: bool = True
-    weights: Literal["fp32", "bf16"] = "fp32"
+    weights: Literal["fp32", "bf16", "fp8"] = "fp32"
     fp8_in_eval: bool = False
     cache_fp8_weights: Literal["auto", "always", "never"] = "auto"
     check_saturation: bool = True

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -24,11 +25,13 @@ from torch import nn
 
 from lightning_mp.fp8.config import FP8Config
 from lightning_mp.fp8.filters import ModuleFilter, ModuleFilterFn
+from lightning_mp.fp8.primary import fit_delayed_scale, is_quantized, remember_original
 from lightning_mp.guards import fp32_guard_of
 
 log = logging.getLogger(__name__)
 
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: the parameters' dtype (``"fp8"``: FP8 primary weights whose nominal dtype, and their gradients', is fp32)
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,7 @@ def convert_to_te(
     te: Any = None,
     device: Optional[torch.device] = None,
     announce: Optional[Callable[[str], None]] = None,
+    recipe: Any = None,
 ) -> ConversionReport:
     """Swap the model's eligible ``nn.Linear``/``nn.LayerNorm`` for ``te.Linear``/``te.LayerNorm``, in place.
 
@@ -160,7 +164,8 @@ def convert_to_te(
 
         report = convert_to_te(model, config=FP8Config(exclude=["head"]), module_filter_fn=lambda m, fqn: True)
 
-    The new modules get the old weights exactly (cast to ``config.weights``: fp32, or bf16), the same
+    The new modules get the old weights exactly (cast to ``config.weights``: fp32, bf16, or quantized to FP8 with
+    the fp32 values kept for the optimizer's masters), the same
     ``requires_grad``, and replace the old module at every path where the model holds it. Which modules
     are swapped is decided by :class:`~lightning_mp.fp8.filters.ModuleFilter` over ``config``, ANDed with
     ``module_filter_fn(module, fqn)``; the report says what was converted and why the rest was not, and is
@@ -176,6 +181,8 @@ def convert_to_te(
             device, else on the current CUDA device (Transformer Engine modules need CUDA).
         announce: where the one-line summary goes (e.g. Lightning's ``rank_zero_info``); ``None`` logs it at
             INFO on this module's logger. The module-by-module list is logged at DEBUG either way.
+        recipe: with ``config.weights="fp8"``, the Transformer Engine recipe the FP8 weights are made for
+            (``None``: built from ``config``).
     """
     config = config if config is not None else FP8Config()
     if te is None:
@@ -185,6 +192,11 @@ def convert_to_te(
     keep = ModuleFilter(module, config, module_filter_fn)
     dtype = WEIGHT_DTYPES[config.weights]
     report = ConversionReport(weights=config.weights)
+    if config.weights == "fp8" and recipe is None:
+        from lightning_mp.fp8.runtime import build_recipe
+
+        recipe = build_recipe(config)
+    fp8_recipe = recipe if config.weights == "fp8" else None
 
     # every path of every module: a module held twice is replaced at both places by one new module
     paths: dict[int, list[str]] = {}
@@ -207,7 +219,7 @@ def convert_to_te(
         if reason is not None:
             report.skipped.append(ModuleRecord(fqn, kind, shape, reason))
             continue
-        new = _make_te_module(te, sub, dtype, device)
+        new = _make_te_module(te, sub, dtype, device, fp8_recipe)
         for name in names:
             parent_name, _, child = name.rpartition(".")
             setattr(module.get_submodule(parent_name), child, new)
@@ -225,17 +237,24 @@ def _target_device(old: nn.Module, device: Optional[torch.device]) -> torch.devi
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cuda")
 
 
-def _make_te_module(te: Any, old: nn.Module, dtype: torch.dtype, device: Optional[torch.device]) -> nn.Module:
+def _make_te_module(
+    te: Any, old: nn.Module, dtype: torch.dtype, device: Optional[torch.device], fp8_recipe: Any = None
+) -> nn.Module:
+    """The TE module for ``old`` with its values; with ``fp8_recipe``, a linear's weight is an FP8 primary weight."""
     where = _target_device(old, device)
     if isinstance(old, nn.Linear):
-        new = te.Linear(old.in_features, old.out_features, bias=old.bias is not None, params_dtype=dtype, device=where)
+        init = te.quantized_model_init(enabled=True, recipe=fp8_recipe) if fp8_recipe is not None else nullcontext()
+        with init:
+            new = te.Linear(
+                old.in_features, old.out_features, bias=old.bias is not None, params_dtype=dtype, device=where
+            )
         pairs = [("weight", old.weight)] + ([("bias", old.bias)] if old.bias is not None else [])
     else:
         new = te.LayerNorm(old.normalized_shape[0], eps=old.eps, params_dtype=dtype, device=where)
         pairs = [("weight", old.weight), ("bias", old.bias)]
     with torch.no_grad():
         for name, source in pairs:
-            target = getattr(new, name)
+            target, wanted = getattr(new, name), source.requires_grad
             if target.shape != source.shape:
                 raise RuntimeError(
                     f"Transformer Engine's {type(new).__name__}.{name} has shape {tuple(target.shape)}, the torch"
@@ -243,14 +262,18 @@ def _make_te_module(te: Any, old: nn.Module, dtype: torch.dtype, device: Optiona
                     " differently; please report it."
                 )
             if source.device.type != "meta" and target.device.type != "meta":
+                if is_quantized(target):  # an FP8 primary weight: quantized with a scale that fits it
+                    fit_delayed_scale(target, source)
+                    remember_original(new, name, source)  # the optimizer's master starts from it
+                    source = source.to(target.device, torch.float32)
                 target.copy_(source)
-            target.requires_grad_(source.requires_grad)
+            target.requires_grad_(wanted)
     new.train(old.training)
     return new
 
 
 def apply_weights_dtype(module: nn.Module, weights: str) -> nn.Module:
-    """``"bf16"``: cast the model's floating-point parameters and buffers to bf16; ``"fp32"``: no change.
+    """``"bf16"``: cast the model's floating-point parameters and buffers to bf16; ``"fp32"``, ``"fp8"``: no change.
 
     Example::
 
@@ -261,8 +284,8 @@ def apply_weights_dtype(module: nn.Module, weights: str) -> nn.Module:
     """
     if weights not in WEIGHT_DTYPES:
         raise ValueError(f"weights={weights!r} is invalid. Accepted values: {', '.join(map(repr, WEIGHT_DTYPES))}.")
-    if weights == "fp32":
-        return module
+    if weights in ("fp32", "fp8"):
+        return module  # (fp8: only the FP8 layers' weights are FP8, made so by the swap)
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(torch.bfloat16) if t.is_floating_point() else t
 

@@ -52,6 +52,13 @@ from torch import Tensor, nn
 from lightning_mp.fp8.config import RECIPE_CLASSES, FP8Config
 from lightning_mp.fp8.convert import ConversionReport, apply_weights_dtype, convert_to_te
 from lightning_mp.fp8.filters import ModuleFilterFn
+from lightning_mp.fp8.primary import (
+    install_primary_hooks,
+    quantized_parameters,
+    refresh_transposes,
+    requantize_from_masters,
+    seed_masters,
+)
 from lightning_mp.fp8.sentinel import SaturationSentinel
 
 log = logging.getLogger("lightning_mp.fp8")
@@ -626,6 +633,8 @@ class _FP8Region:
         self._ctx.__enter__()
         cache = owner.weight_cache
         self._was_active, cache.active = cache.active, self._training and cache.attached
+        if self._training and owner._requantize:
+            owner.requantize_weights()
 
     def __exit__(self, *exc: Any) -> None:
         self._owner.weight_cache.active = self._was_active
@@ -661,6 +670,9 @@ class FP8Training:
         self._pending: Optional[dict[str, Any]] = None
         #: finds inf/NaN that FP8 casts would saturate into finite values (see :mod:`lightning_mp.fp8.sentinel`)
         self.sentinel = SaturationSentinel()
+        self._optimizers: list[Any] = []  # with FP8 primary weights: the optimizers holding their masters
+        self._requantize = False  # FP8 primary weights are written from their masters at the next training step
+        self._fp8_params: list[Tensor] = []  # the FP8 primary weights (weights="fp8")
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -707,6 +719,7 @@ class FP8Training:
             te=te,
             device=device if device.index is not None else None,
             announce=announce,
+            recipe=self.recipe if self.config.weights == "fp8" else None,
         )
         apply_weights_dtype(model, self.config.weights)
         self.report = report
@@ -737,6 +750,8 @@ class FP8Training:
     def _take(self, model: nn.Module) -> None:
         """``model`` is the FP8 model from now on: checkpoint hooks, fresh weight casts, a state waiting applied."""
         install_checkpoint_hooks(model)
+        install_primary_hooks(model)
+        self._fp8_params = [p for _, _, p in quantized_parameters(model)]
         self._model = model
         self.weight_cache.weights_updated()
         if self._pending is not None:
@@ -758,6 +773,23 @@ class FP8Training:
         else:
             self.weight_cache.detach()
         return self.weight_cache.attached
+
+    def connect_optimizers(self, optimizers: list[Any]) -> int:
+        """FP8 primary weights (``weights="fp8"``): check that the optimizers keep their fp32 masters and start
+        those from the exact fp32 weights; returns how many were seeded (0 without FP8 primary weights).
+
+        Raises ``ValueError`` naming an optimizer that steps FP8 weights without masters of its own.
+        """
+        self._optimizers = list(optimizers)
+        if self._model is None or not quantized_parameters(self._model):
+            return 0
+        return seed_masters(self._model, self._optimizers)
+
+    def requantize_weights(self) -> int:
+        """Write the FP8 primary weights from their optimizers' masters with the current scales (done at the first
+        training step after :meth:`load_state_dict`, so a resumed run computes with the uninterrupted run's bytes)."""
+        self._requantize = False
+        return requantize_from_masters(self._optimizers)
 
     # ------------------------------------------------------------------ per step
     def _te_autocast(self) -> Any:
@@ -785,8 +817,10 @@ class FP8Training:
         return _FP8Region(self, training)
 
     def weights_updated(self) -> None:
-        """Call after every optimizer step: cached FP8 weight casts are stale."""
+        """Call after every optimizer step: cached FP8 weight casts (and FP8 weights' transposes) are stale."""
         self.weight_cache.weights_updated()
+        if self._fp8_params:
+            refresh_transposes(self._fp8_params)
 
     def watch_saturation(self, on: bool = True) -> Optional[str]:
         """Start (or stop) the saturation sentinel on the converted model's FP8 modules; returns its mode.
@@ -828,6 +862,7 @@ class FP8Training:
         if self._model is None:
             self._pending = state  # applied by convert()
             return
+        self._requantize = bool(quantized_parameters(self._model))  # from the masters the optimizer state brings
         restore, message = scaling_state_compat(state["recipe"], self.config.recipe_settings())
         if message:
             warnings.warn(message, stacklevel=2)
