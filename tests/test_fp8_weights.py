@@ -243,3 +243,19 @@ def test_a_distributed_checkpoint_restores_the_adam_step_count_after_seeding(tmp
     dcp.load(template, checkpoint_id=str(tmp_path))
     set_optimizer_state_dict(fresh, fresh_opt, optim_state_dict=template["optim"])
     assert fresh_opt.param_groups[0]["step"] == 3
+
+
+def test_after_a_restore_the_fp8_weights_are_written_from_the_masters_once():
+    from lightning_mp.fp8 import FP8Training
+
+    model = nn.Sequential(fp8_linear(), nn.ReLU(), nn.Linear(2, 2))
+    fp8 = FP8Training({"weights": "fp8"})
+    fp8._take(model)
+    opt = FakeFusedAdam(model.parameters())
+    assert fp8.connect_optimizers([opt]) == 1  # what MPPlugin calls at set-up
+    assert not fp8._requantize
+    fp8.load_state_dict({"format": 1, "recipe": fp8.config.recipe_settings(), "modules": {}})  # the plugin's restore
+    opt.state[model[0].weight]["master_param"] = EXACT * 3  # then the optimizer's own restore
+    assert fp8._requantize  # done at the next training step (the FP8 region)
+    assert fp8.requantize_weights() == 1 and not fp8._requantize
+    assert torch.equal(model[0].weight.dequantize(), (EXACT * 3).to(torch.bfloat16).float())
