@@ -30,7 +30,8 @@ _HOOKED = "_mp_fp8_primary_hooks"
 
 
 def _local(t: Tensor) -> Tensor:
-    """A DTensor's local shard (FSDP2), else the tensor itself."""
+    """A DTensor's local shard (FSDP2), else the tensor itself: the shard object itself (not ``to_local()``'s view,
+    as the callbacks' helper takes), since FP8 weights are written and their caches reset in place."""
     return getattr(t, "_local_tensor", t)
 
 

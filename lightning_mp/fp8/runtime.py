@@ -781,7 +781,7 @@ class FP8Training:
         Raises ``ValueError`` naming an optimizer that steps FP8 weights without masters of its own.
         """
         self._optimizers = list(optimizers)
-        if self._model is None or not quantized_parameters(self._model):
+        if not self._fp8_params:
             return 0
         return seed_masters(self._model, self._optimizers)
 
@@ -862,7 +862,7 @@ class FP8Training:
         if self._model is None:
             self._pending = state  # applied by convert()
             return
-        self._requantize = bool(quantized_parameters(self._model))  # from the masters the optimizer state brings
+        self._requantize = bool(self._fp8_params)  # from the masters the optimizer state brings
         restore, message = scaling_state_compat(state["recipe"], self.config.recipe_settings())
         if message:
             warnings.warn(message, stacklevel=2)

@@ -14,14 +14,11 @@ as the uninterrupted run (losses and weights).
 """
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from ._bench import small_gpt_rows
 
 _CC = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 pytestmark = [
@@ -31,7 +28,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"),
 ]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPUS = min(4, torch.cuda.device_count()) if torch.cuda.is_available() else 2  # four where four are lent
 RUNS = ["1gpu mp-fp8", "ddp mp-fp8", "fsdp mp-fp8", "fsdp2 mp-fp8"]
 RESUME_RUNS = ["fsdp mp-fp8 resume-sharded", "fsdp mp-fp8 resume-full", "fsdp2 mp-fp8 resume"]
@@ -39,25 +35,8 @@ RESUME_RUNS = ["fsdp mp-fp8 resume-sharded", "fsdp mp-fp8 resume-full", "fsdp2 m
 
 @pytest.fixture(scope="module")
 def rows(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fp8_sharded")
-    cmd = [
-        sys.executable, os.path.join(ROOT, "benchmarks", "bench_distributed.py"),
-        "--vocab", "512", "--hidden", "256", "--layers", "2", "--heads", "4", "--seq", "128",
-        "--global-batch", "8", "--steps", "200", "--warmup", "20", "--lr", "1e-3",
-        "--poison-steps", "5", "11", "--act-poison-steps", "8", "--resume-at", "100",
-        "--loss-rtol", "0.01", "--loss-window", "10",
-        "--fp8-options", json.dumps({"size_rule": "off"}),
-        "--devices", str(GPUS), "--out", str(out), "--tag", "test", "--runs", *RUNS, *RESUME_RUNS,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    print(proc.stdout[-4000:])
-    if os.environ.get("MP_RESULTS_DIR"):  # keep the table and rows (the GPU visit's evidence)
-        for f in out.iterdir():
-            (Path(os.environ["MP_RESULTS_DIR"]) / f.name).write_bytes(f.read_bytes())
-    result = {r["run"]: r for r in json.loads((out / "bench_distributed_test.json").read_text())["rows"]}
-    assert proc.returncode == 0 or result, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return result
+    runs = [*RUNS, *RESUME_RUNS]
+    return small_gpt_rows(tmp_path_factory.mktemp("fp8_sharded"), runs, "--devices", str(GPUS))
 
 
 @pytest.mark.parametrize("name", RUNS)

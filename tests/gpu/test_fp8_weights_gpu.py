@@ -10,12 +10,7 @@ skips the injected steps, ranks agree, the loss curve follows one GPU within 1 %
 """
 
 import importlib.util
-import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +22,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MPPlugin
 from lightning_mp.fp8.primary import is_quantized
 
+from ._bench import small_gpt_rows
+
 _CC = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
 pytestmark = [
     pytest.mark.gpu,
@@ -34,7 +31,6 @@ pytestmark = [
     pytest.mark.skipif(_CC < (8, 9), reason="FP8 needs compute capability 8.9+"),
     pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is None, reason="needs Transformer Engine"),
 ]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FP8 = {"weights": "fp8", "size_rule": "off", "keep_last": 1}
 
 
@@ -171,24 +167,7 @@ RUNS = ["1gpu mp-fp8 fp8-weights", "fsdp2 mp-fp8 fp8-weights", "fsdp2 mp-fp8 fp8
 def rows(tmp_path_factory):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    out = tmp_path_factory.mktemp("fp8_weights")
-    cmd = [
-        sys.executable, os.path.join(ROOT, "benchmarks", "bench_distributed.py"),
-        "--vocab", "512", "--hidden", "256", "--layers", "2", "--heads", "4", "--seq", "128",
-        "--global-batch", "8", "--steps", "200", "--warmup", "20", "--lr", "1e-3",
-        "--poison-steps", "5", "11", "--act-poison-steps", "8", "--resume-at", "100",
-        "--loss-rtol", "0.01", "--loss-window", "10", "--fp8-options", json.dumps({"size_rule": "off"}),
-        "--out", str(out), "--tag", "test", "--runs", *RUNS,
-    ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    print(proc.stdout[-4000:])
-    if os.environ.get("MP_RESULTS_DIR"):
-        for f in out.iterdir():
-            (Path(os.environ["MP_RESULTS_DIR"]) / ("fp8_weights_" + f.name)).write_bytes(f.read_bytes())
-    result = {r["run"]: r for r in json.loads((out / "bench_distributed_test.json").read_text())["rows"]}
-    assert proc.returncode == 0 or result, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return result
+    return small_gpt_rows(tmp_path_factory.mktemp("fp8_weights"), RUNS, keep_as="fp8_weights_")
 
 
 @pytest.mark.parametrize("name", RUNS)
