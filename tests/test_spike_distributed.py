@@ -1,0 +1,127 @@
+"""The loss-spike guard across ranks, on the CPU (gloo, 2 forked processes): DDP, FSDP and FSDP2.
+
+Each rank judges its own loss against the window of its own losses; the decision is all-reduced, so a spike seen
+by one rank only is skipped by every rank. The spike here is in the loss's *value* on rank 1 only (its gradient is
+the clean one), so nothing but that agreement can make rank 0 skip the step: without it the ranks' weights part.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ForkLauncher, TinyRegressor, make_trainer
+from lightning.pytorch import Callback
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
+from torch.distributed.fsdp import FullyShardedDataParallel
+
+from lightning_mp import MPPlugin
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+SPIKE_AT, STEPS, WINDOW = 12, 16, 16  # the guard judges from step WINDOW // 4 = 4 on
+
+
+class _CPUFSDP(FSDPStrategy):
+    """Lightning's FSDPStrategy launched by fork with the CPU as device (Lightning lets FSDP run on CUDA only)."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = ForkLauncher(self, start_method="fork")
+
+    def _setup_model(self, model):
+        return FullyShardedDataParallel(module=model, mixed_precision=self.mixed_precision_config,
+                                        device_id=torch.device("cpu"), **self.kwargs)  # fmt: skip
+
+
+class _ForkModelParallel(ModelParallelStrategy):
+    def _configure_launcher(self) -> None:
+        self._launcher = ForkLauncher(self, start_method="fork")
+
+
+class OneRankSpike(TinyRegressor):
+    """Rank 1's loss *value* is 1000× at one step; its gradient stays the clean one (``fsdp2``: sharded)."""
+
+    def __init__(self, fsdp2: bool = False, factor: float = 1e3) -> None:
+        super().__init__(optimizer="adam")
+        self.fsdp2, self.factor = fsdp2, factor
+
+    def configure_model(self):
+        if self.fsdp2:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            fully_shard(self.net1, mesh=mesh)
+            fully_shard(self.net2, mesh=mesh)
+            fully_shard(self, mesh=mesh)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-2)
+
+    def _loss(self, batch):
+        loss = super()._loss(batch)
+        if self.global_rank == 1 and self.trainer.global_step == SPIKE_AT:
+            loss = loss + (self.factor - 1) * loss.detach()
+        return loss
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+class Record(Callback):
+    """Each rank's own shard of the weights and optimizer state around the spike step, and its figures at the end."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.before, self.after = folder, None, None
+
+    @staticmethod
+    def _take(trainer):
+        opt = trainer.optimizers[0]
+        params = [_local(p) for p in trainer.model.parameters()]
+        state = [_local(v) for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        return params + state
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step == SPIKE_AT:
+            self.before = self._take(trainer)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.before is not None and self.after is None:
+            self.after = self._take(trainer)
+
+    def on_train_end(self, trainer, pl_module):
+        unchanged = len(self.before) == len(self.after) and all(map(torch.equal, self.before, self.after))
+        if isinstance(trainer.model, FullyShardedDataParallel):
+            with FullyShardedDataParallel.summon_full_params(trainer.model):
+                full = [p.detach().clone() for p in pl_module.parameters()]
+        else:
+            full = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                    for p in pl_module.parameters()]  # fmt: skip
+        stats = trainer.precision_plugin.stats
+        torch.save({"unchanged": unchanged, "full": full, "stats": stats.as_dict()},
+                   f"{self.folder}/rank{trainer.global_rank}.pt")  # fmt: skip
+
+
+STRATEGIES = {
+    "ddp": lambda: "ddp_fork",
+    "fsdp": lambda: _CPUFSDP(),
+    "fsdp2": lambda: _ForkModelParallel(data_parallel_size=2, tensor_parallel_size=1),
+}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "mode"), [("ddp", "bf16"), ("ddp", "fp16"), ("ddp", "bf16-true"), ("fsdp", "fp16"), ("fsdp2", "bf16")]
+)
+def test_a_spike_on_one_rank_is_skipped_by_every_rank(tmp_path, strategy, mode):
+    kwargs = {"init_scale": 2.0**8} if mode.startswith("fp16") else {}
+    plugin = MPPlugin(mode, spike_sigma=6.0, spike_window=WINDOW, **kwargs)
+    model = OneRankSpike(fsdp2=strategy == "fsdp2")
+    trainer = make_trainer(plugin, STEPS, [Record(str(tmp_path))], devices=2, strategy=STRATEGIES[strategy]())
+    trainer.fit(model)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
+    for rank, r in enumerate((r0, r1)):
+        assert r["stats"]["spike_skips"] == 1 and r["stats"]["skipped_steps"] == 1, (rank, r["stats"])
+        assert r["stats"]["steps"] == STEPS
+        assert r["unchanged"], f"rank {rank}'s weights or optimizer state moved at the skipped step"
+    assert r0["stats"] == r1["stats"]
+    for a, b in zip(r0["full"], r1["full"]):
+        assert torch.equal(a, b), "the ranks' weights parted"
