@@ -6,13 +6,15 @@ is skipped exactly as an inf/NaN step is (parameters, master weights, optimizer 
 their values), once at least ``spike_window // 4`` steps are in the window. This is what OLMo-core's
 ``SkipStepOptimizer`` and levanter do; PaLM skipped the batches around its spikes by hand.
 
-Everything stays on the device: the window is a ``(2, spike_window)`` tensor ring of (loss, gradient norm), the
-decision a 0-dim flag that joins the step's inf/NaN verdict, so no host sync is added. Under DDP/FSDP each rank keeps
-the window of its own losses and the flag is all-reduced (MAX): every rank skips the same steps. A spike does not
-count as an overflow: the loss scale (fp16) moves on the inf/NaN verdict alone.
+Everything stays on the device: each optimizer's window is a ``(2, spike_window)`` tensor ring of (loss, gradient
+norm), the decision a 0-dim flag that joins the step's inf/NaN verdict, so no host sync is added. Under DDP/FSDP
+each rank keeps the window of its own losses and the flag is all-reduced (MAX): every rank skips the same steps. A
+spike does not count as an overflow: the loss scale (fp16) moves on the inf/NaN verdict alone.
 
-The loss of a step is the sum of what backward was called on since the last step: with gradient accumulation,
-Lightning's loss already divided by ``accumulate_grad_batches``, so the mean over the micro-batches.
+The loss of a step is the sum of what backward was called on since the last optimizer step: with gradient
+accumulation, Lightning's loss already divided by ``accumulate_grad_batches``, so the mean over the micro-batches; in
+manual optimization with several optimizers, each step's own loss (a step after no new backward, e.g. two
+optimizers stepped from one backward, is judged on the loss of that backward).
 """
 
 from __future__ import annotations
@@ -60,72 +62,84 @@ def check_spike_options(spike_sigma: Any, spike_window: Any) -> None:
 
 
 class SpikeGuard:
-    """The window of recent (loss, gradient norm) and the per-step decision, on the device.
+    """The windows of recent (loss, gradient norm), one per optimizer, and the per-step decision, on the device.
+
+    Each optimizer is judged against its own history (a GAN's generator and discriminator have losses and gradient
+    norms of their own scales); ``index`` is the optimizer's position in ``trainer.optimizers``.
 
     Example::
 
         guard = SpikeGuard(sigma=6.0, window=128)
         spike = guard.decide(loss, grad_norm)      # 0-dim bool tensor, no sync
-        guard.observe(loss, grad_norm, skipped)    # the step's outcome (a device flag): clean steps join the window
+        guard.observe(loss, grad_norm, spike, skipped)  # the step's outcome (a device flag): clean steps join
     """
 
     def __init__(self, sigma: float, window: int) -> None:
         self.sigma = float(sigma)
         self.window = int(window)
         self.warmup = max(self.window // 4, 2)
-        self._values: Optional[Tensor] = None  # (2, window) float32: losses, gradient norms
-        self._count: Optional[Tensor] = None  # int64: clean steps observed (the ring's write position too)
+        self._values: Optional[Tensor] = None  # (optimizers, 2, window) float32: losses, gradient norms
+        self._count: Optional[Tensor] = None  # (optimizers,) int64: clean steps observed (the rings' write positions)
         self._spikes: Optional[Tensor] = None  # int64 [total spike skips, spike skips in a row]
         self._loaded: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ state
-    def _ensure(self, device: torch.device) -> None:
-        if self._values is not None and self._values.device == device:
-            return
-        if self._values is not None:  # (moved to another device: the state follows)
+    def _ensure(self, device: torch.device, index: int = 0) -> None:
+        if self._values is None:
+            self._values = torch.zeros(1, 2, self.window, dtype=torch.float32, device=device)
+            self._count = torch.zeros(1, dtype=torch.int64, device=device)
+            self._spikes = torch.zeros(2, dtype=torch.int64, device=device)
+            if self._loaded is not None:
+                loaded, self._loaded = self._loaded, None
+                self._values = loaded["values"].to(device)
+                self._count = torch.tensor(loaded["count"], dtype=torch.int64, device=device)
+                self._spikes.copy_(torch.tensor([loaded["spike_skips"], loaded["spikes_in_a_row"]]))
+        elif self._values.device != device:  # (moved to another device: the state follows)
             self._values, self._count, self._spikes = (t.to(device) for t in (self._values, self._count, self._spikes))
-            return
-        self._values = torch.zeros(2, self.window, dtype=torch.float32, device=device)
-        self._count = torch.zeros((), dtype=torch.int64, device=device)
-        self._spikes = torch.zeros(2, dtype=torch.int64, device=device)
-        if self._loaded is not None:
-            loaded, self._loaded = self._loaded, None
-            self._values.copy_(loaded["values"])
-            self._count.fill_(loaded["count"])
-            self._spikes.copy_(torch.tensor([loaded["spike_skips"], loaded["spikes_in_a_row"]]))
+        if index >= self._values.shape[0]:  # an optimizer not seen yet: its own empty window
+            more = index + 1 - self._values.shape[0]
+            self._values = torch.cat([self._values, self._values.new_zeros(more, 2, self.window)])
+            self._count = torch.cat([self._count, self._count.new_zeros(more)])
 
-    def decide(self, loss: Optional[Tensor], grad_norm: Optional[Tensor]) -> Tensor:
-        """Whether this step is a spike (a 0-dim bool tensor on the device). A figure that is ``None`` or not finite
-        does not decide (an inf/NaN is the inf/NaN check's)."""
+    def decide(self, loss: Optional[Tensor], grad_norm: Optional[Tensor], index: int = 0) -> Tensor:
+        """Whether this step of optimizer ``index`` is a spike (a 0-dim bool tensor on the device). A figure that is
+        ``None`` or not finite does not decide (an inf/NaN is the inf/NaN check's)."""
         ref = loss if loss is not None else grad_norm
         assert ref is not None
-        self._ensure(ref.device)
+        self._ensure(ref.device, index)
+        values, count = self._values[index], self._count[index]
         now = torch.stack([_figure(loss, ref), _figure(grad_norm, ref)])  # (2,), NaN where unknown
-        n = self._count.clamp(max=self.window)
+        n = count.clamp(max=self.window)
         filled = torch.arange(self.window, device=ref.device) < n
         counted = n.clamp(min=1).float()
-        mean = torch.where(filled, self._values, 0.0).sum(1) / counted
-        var = torch.where(filled, (self._values - mean[:, None]) ** 2, 0.0).sum(1) / (counted - 1).clamp(min=1)
+        mean = torch.where(filled, values, 0.0).sum(1) / counted
+        var = torch.where(filled, (values - mean[:, None]) ** 2, 0.0).sum(1) / (counted - 1).clamp(min=1)
         limit = mean + self.sigma * var.sqrt()
         above = ((now > limit) & torch.isfinite(now)).any()  # an inf/NaN figure is the inf/NaN check's to judge
-        return above & (self._count >= self.warmup)
+        return above & (count >= self.warmup)
 
     def observe(
-        self, loss: Optional[Tensor], grad_norm: Optional[Tensor], spike: Tensor, skipped: Union[Tensor, bool]
+        self,
+        loss: Optional[Tensor],
+        grad_norm: Optional[Tensor],
+        spike: Tensor,
+        skipped: Union[Tensor, bool],
+        index: int = 0,
     ) -> None:
-        """After the step: a clean step's figures join the window (``skipped``: the step's outcome, a device flag or
-        the host's answer); the spike counters move."""
+        """After the step of optimizer ``index``: a clean step's figures join its window (``skipped``: the step's
+        outcome, a device flag or the host's answer); the spike counters move."""
         ref = loss if loss is not None else grad_norm
-        self._ensure(ref.device)
+        self._ensure(ref.device, index)
         now = torch.stack([_figure(loss, ref), _figure(grad_norm, ref)])
         if isinstance(skipped, bool):
             clean = torch.isfinite(now).all() & (not skipped)
         else:
             clean = ~skipped.reshape(()).to(ref.device).bool() & torch.isfinite(now).all()
-        at = (self._count % self.window).reshape(1)
-        column = self._values.index_select(1, at)
-        self._values.index_copy_(1, at, torch.where(clean, torch.nan_to_num(now)[:, None], column))
-        self._count.add_(clean.long())
+        values, count = self._values[index], self._count[index]  # views: written in place
+        at = (count % self.window).reshape(1)
+        column = values.index_select(1, at)
+        values.index_copy_(1, at, torch.where(clean, torch.nan_to_num(now)[:, None], column))
+        count.add_(clean.long())
         spike = spike.reshape(()).long()
         self._spikes.copy_(torch.stack([self._spikes[0] + spike, (self._spikes[1] + 1) * spike]))
 
@@ -144,50 +158,68 @@ class SpikeGuard:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """Plain tensors and ints (``torch.load(weights_only=True)`` reads them)."""
+        """Plain tensors and ints (``torch.load(weights_only=True)`` reads them). One optimizer: ``values`` of shape
+        ``(2, window)`` and an int ``count``; several: ``(optimizers, 2, window)`` and a list of counts."""
         if self._values is None:
-            if self._loaded is not None:
-                return dict(self._loaded)
-            return {"window": self.window, "values": torch.zeros(2, self.window), "count": 0, "spike_skips": 0,
-                    "spikes_in_a_row": 0}
+            if self._loaded is None:
+                return {"window": self.window, "values": torch.zeros(2, self.window), "count": 0, "spike_skips": 0,
+                        "spikes_in_a_row": 0}  # fmt: skip
+            values, counts = self._loaded["values"], list(self._loaded["count"])
+            spikes = [self._loaded["spike_skips"], self._loaded["spikes_in_a_row"]]
+        else:
+            values, counts = self._values.detach().cpu().clone(), self._count.tolist()
+            spikes = self._spikes.tolist()
+        single = values.shape[0] == 1
         return {
             "window": self.window,
-            "values": self._values.detach().cpu().clone(),
-            "count": int(self._count.item()),
-            "spike_skips": int(self._spikes[0].item()),
-            "spikes_in_a_row": int(self._spikes[1].item()),
+            "values": values[0] if single else values,
+            "count": counts[0] if single else counts,
+            "spike_skips": int(spikes[0]),
+            "spikes_in_a_row": int(spikes[1]),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Validated before anything is taken: a window of another length starts empty (with a warning by the caller's
-        choice); malformed entries raise ``ValueError`` naming the field."""
+        """Validated before anything is taken; malformed entries raise ``ValueError`` naming the field, a window of
+        another length names the ``spike_window`` to resume with."""
         if not isinstance(state, dict):
             raise ValueError(f"The checkpoint's spike-guard state must be a dict, not {type(state).__name__}.")
         values = state.get("values")
-        shaped = isinstance(values, Tensor) and values.dim() == 2 and values.shape[0] == 2
+        if isinstance(values, Tensor) and values.dim() == 2:
+            values = values.unsqueeze(0)  # one optimizer's window
+        shaped = isinstance(values, Tensor) and values.dim() == 3 and values.shape[0] >= 1 and values.shape[1] == 2
         if not shaped or not values.is_floating_point():
             raise ValueError(
-                "The checkpoint's spike-guard window 'values' must be a float tensor of shape (2, window)."
+                "The checkpoint's spike-guard window 'values' must be a float tensor of shape (2, window) or"
+                " (optimizers, 2, window)."
             )
         if not bool(torch.isfinite(values).all()):
             raise ValueError("The checkpoint's spike-guard window holds inf/NaN values: it is corrupted.")
+        counts = state.get("count")
+        counts = [counts] if not isinstance(counts, (list, tuple)) else list(counts)
+        bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
+        if bad or len(counts) != values.shape[0]:
+            raise ValueError(
+                f"The checkpoint's spike-guard counter count={state.get('count')!r} must be an integer >= 0 for each"
+                f" of its {values.shape[0]} window(s)."
+            )
         ints = {}
-        for key in ("count", "spike_skips", "spikes_in_a_row"):
+        for key in ("spike_skips", "spikes_in_a_row"):
             value = state.get(key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"The checkpoint's spike-guard counter {key}={value!r} must be an integer >= 0.")
             ints[key] = value
-        if values.shape[1] != self.window:
+        if values.shape[2] != self.window:
             raise ValueError(
-                f"The checkpoint's spike window holds {values.shape[1]} steps, but spike_window={self.window}: resume"
-                f" with spike_window={values.shape[1]}, or drop the plugin state's 'spike' entry to start a new window."
+                f"The checkpoint's spike window holds {values.shape[2]} steps, but spike_window={self.window}: resume"
+                f" with spike_window={values.shape[2]}, or drop the plugin state's 'spike' entry to start a new window."
             )
-        loaded = {"window": self.window, "values": values.detach().float().cpu().clone(), **ints}
+        loaded = {"window": self.window, "values": values.detach().float().cpu().clone(), "count": counts, **ints}
         if self._values is None:
             self._loaded = loaded
         else:
-            self._values.copy_(loaded["values"])
-            self._count.fill_(ints["count"])
+            device = self._values.device
+            self._values = loaded["values"].to(device)
+            self._count = torch.tensor(counts, dtype=torch.int64, device=device)
             self._spikes.copy_(torch.tensor([ints["spike_skips"], ints["spikes_in_a_row"]]))
 
 

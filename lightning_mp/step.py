@@ -106,6 +106,7 @@ class OptimizerSteps:
         self.saturation = saturation
         self.spike = spike
         self._loss: Optional[Tensor] = None  # what backward ran on since the last step (the spike guard's figure)
+        self._last_loss: Optional[Tensor] = None  # manual optimization: the loss of this batch's last judged step
         self.release_grads = release_grads
         self.buffers = BufferSnapshot()
         self._optimizers: dict[int, _OptimizerState] = {}
@@ -161,8 +162,9 @@ class OptimizerSteps:
 
 
     def end_batch(self) -> None:
-        """A training batch ended (manual optimization: ``training_step`` returned): one scale update."""
-        self._loss = None
+        """A training batch ended (manual optimization: ``training_step`` returned): one scale update. A loss whose
+        step has not run yet (manual accumulation over batches) is kept for that step."""
+        self._last_loss = None
         for state in self._optimizers.values():
             if state.stage is Stage.PREPARED:
                 self._abandon(state)  # prepared (e.g. clipped) but never stepped
@@ -360,8 +362,10 @@ class OptimizerSteps:
         state.stage = Stage.STEPPED
         if scaler is not None:
             if spike is not None:  # the loss scale moves on the inf/NaN verdict alone: a spike is no overflow
-                if self._loss is not None or spike[2] is not None:
-                    self.spike.observe(self._loss, spike[2], spike[0], skipped if skipped is not None else verdict)
+                loss, norm = spike[3], spike[2]
+                if loss is not None or norm is not None:
+                    outcome = skipped if skipped is not None else verdict
+                    self.spike.observe(loss, norm, spike[0], outcome, index=state.index)
                 self._batch_verdicts.append(spike[1])
             else:  # the host's answer where it has one: a batch of host-known outcomes is counted without a kernel
                 self._batch_verdicts.append(skipped if skipped is not None else _as_flag(verdict, scaler))
@@ -374,13 +378,20 @@ class OptimizerSteps:
             self._update_scale()  # one optimizer per batch: the batch is over
             self.buffers.drop()
             state.stage = Stage.READY
-            self._loss = None
+        if self._loss is not None:  # the next step judges the losses of the backward calls after this one
+            self._last_loss, self._loss = self._loss, None
+        if model.automatic_optimization:
+            self._last_loss = None
         self._check_divergence(model, state)
         return out
 
-    def _spike_verdict(self, optimizer: Optimizer, state: _OptimizerState) -> tuple[Tensor, Tensor, Tensor]:
+    def _spike_verdict(
+        self, optimizer: Optimizer, state: _OptimizerState
+    ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
         """Inside the stand-ins' swap, after every other verdict source: whether this step is a loss or gradient-norm
-        spike; it joins the skip verdict. Returns (spike, the inf/NaN verdict alone, the gradient norm)."""
+        spike against this optimizer's own window; it joins the skip verdict. Returns (spike, the inf/NaN verdict
+        alone, the gradient norm, the loss judged: what backward ran on since the last step, or, where no backward
+        ran since (two optimizers stepped from one backward), that backward's loss)."""
         scaler = self.scaler
         inf_only = scaler.found_inf(optimizer)
         if inf_only is None:
@@ -388,12 +399,13 @@ class OptimizerSteps:
         else:
             inf_only = inf_only.reshape(()).float().clone()
         norm = state.norm if state.norm is not None else total_grad_norm(optimizer, sharded=scaler.sharded)
-        if self._loss is None and norm is None:  # nothing to judge (no backward, no gradient)
+        loss = self._loss if self._loss is not None else self._last_loss
+        if loss is None and norm is None:  # nothing to judge (no backward, no gradient)
             spike = torch.zeros((), dtype=torch.bool, device=scaler.scale_device)
         else:
-            spike = all_ranks_agree(self.spike.decide(self._loss, norm))
+            spike = all_ranks_agree(self.spike.decide(loss, norm, index=state.index))
         scaler.add_found_inf_(optimizer, spike, agreed=True)
-        return spike, inf_only, norm
+        return spike, inf_only, norm, loss
 
     def _abandon(self, state: _OptimizerState) -> None:
         """Drop a prepared step that never ran (an error inside it, or clipped in manual optimization and not

@@ -246,3 +246,102 @@ def test_an_inf_step_is_an_inf_skip_not_a_spike(mode):
     p = plugin(mode)
     opt_trainer(p, max_steps=44).fit(Net(spike_at=[40], factor=math.inf))
     assert p.stats.skipped_steps == 1 and p.stats.spike_skips == 0
+
+
+class GAN(LightningModule):
+    """Manual optimization with two optimizers whose losses live on different scales (the discriminator's ×100):
+    the generator's loss multiplied by ``factor`` at batch ``spike_at``. ``one_backward``: one loss through both
+    nets, one backward, both optimizers stepped from it."""
+
+    def __init__(self, spike_at=None, factor=30.0, one_backward=False, batches=128):
+        super().__init__()
+        torch.manual_seed(0)
+        self.G = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.D = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.automatic_optimization = False
+        self.spike_at, self.factor, self.one_backward, self.batches = spike_at, factor, one_backward, batches
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(x.shape[0], 4, generator=torch.Generator().manual_seed(batch_idx))
+        fake = self.G(z)
+        bce = nn.functional.binary_cross_entropy_with_logits
+        real, zeros = torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1)
+        g_loss = bce(self.D(fake).float(), real)
+        if batch_idx == self.spike_at:
+            g_loss = g_loss * self.factor
+        if self.one_backward:
+            opt_g.zero_grad()
+            opt_d.zero_grad()
+            self.manual_backward(g_loss + bce(self.D(x).float(), real))
+            opt_g.step()
+            opt_d.step()
+            return
+        d_loss = 100 * (bce(self.D(x).float(), real) + bce(self.D(fake.detach()).float(), zeros))
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        opt_g.step()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.G.parameters(), 1e-3), torch.optim.Adam(self.D.parameters(), 1e-3)
+
+    def train_dataloader(self):
+        x = torch.randn(16 * self.batches, 8, generator=torch.Generator().manual_seed(1)) + 2
+        return DataLoader(TensorDataset(x), batch_size=16)
+
+
+def skipped_per_optimizer(p):
+    return [s.skipped_steps for s in p.stats.per_optimizer]
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16-true"])
+def test_each_optimizer_is_judged_against_its_own_history(mode):
+    """A generator spike 30× its usual loss is far inside the discriminator's loss range (×100): judged against one
+    shared window it would pass; each optimizer has its own window, so the generator's step is skipped alone."""
+    smooth = plugin(mode)
+    opt_trainer(smooth, max_steps=-1, max_epochs=1).fit(GAN())
+    assert smooth.stats.spike_skips == 0 and skipped_per_optimizer(smooth) == [0, 0]
+
+    p = plugin(mode)
+    opt_trainer(p, max_steps=-1, max_epochs=1).fit(GAN(spike_at=100))
+    assert p.stats.spike_skips == 1 and skipped_per_optimizer(p) == [1, 0]
+    assert [s.steps for s in p.stats.per_optimizer] == [128, 128]
+
+
+def test_optimizers_stepped_from_one_backward_are_both_judged_on_its_loss():
+    p = plugin("bf16")
+    opt_trainer(p, max_steps=-1, max_epochs=1).fit(GAN(spike_at=100, factor=1e3, one_backward=True))
+    assert p.stats.spike_skips == 2 and skipped_per_optimizer(p) == [1, 1]
+
+
+def test_resume_carries_every_optimizers_window(tmp_path):
+    """Saved after 80 batches, resumed: a generator spike 3 batches later is judged against the restored windows
+    (a new window would still be warming up, 8 clean steps, and let it through)."""
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    first = plugin("bf16")
+    # (manual optimization: global_step counts both optimizers' steps, so 160 steps are 80 batches)
+    opt_trainer(first, max_steps=160, enable_checkpointing=True, callbacks=[ckpt]).fit(GAN(spike_at=50))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    key, entry = next((k, v) for k, v in saved.items() if isinstance(v, dict) and "spike" in v)
+    window = entry["spike"]
+    assert window["values"].shape == (2, 2, 32) and window["count"] == [79, 80]  # (the generator skipped one)
+    assert window["spike_skips"] == 1
+
+    def resume(path):
+        again = plugin("bf16")
+        callbacks = [ModelCheckpoint(dirpath=tmp_path / path.stem)]
+        opt_trainer(again, max_steps=200, enable_checkpointing=True, callbacks=callbacks).fit(
+            GAN(spike_at=83), ckpt_path=path
+        )
+        assert again.stats.steps == 200
+        return again
+
+    resumed = resume(tmp_path / "last.ckpt")
+    assert resumed.stats.spike_skips == 2 and skipped_per_optimizer(resumed) == [2, 0]
+    del saved[key]["spike"]
+    torch.save(saved, tmp_path / "no_window.ckpt")
+    assert resume(tmp_path / "no_window.ckpt").stats.spike_skips == 0
