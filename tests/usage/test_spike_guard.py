@@ -40,7 +40,7 @@ class Net(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        loss = nn.functional.mse_loss(self.net(x).float(), y.float())  # (true-half: the batch comes in half)
         if self.trainer.global_step in self.spike_at:
             loss = loss * self.factor
         if not self.automatic_optimization:
@@ -264,10 +264,10 @@ class GAN(LightningModule):
     def training_step(self, batch, batch_idx):
         (x,) = batch
         opt_g, opt_d = self.optimizers()
-        z = torch.randn(x.shape[0], 4, generator=torch.Generator().manual_seed(batch_idx))
+        z = torch.randn(x.shape[0], 4, generator=torch.Generator().manual_seed(batch_idx)).to(x.device)
         fake = self.G(z)
         bce = nn.functional.binary_cross_entropy_with_logits
-        real, zeros = torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1)
+        real, zeros = torch.ones(x.shape[0], 1, device=x.device), torch.zeros(x.shape[0], 1, device=x.device)
         g_loss = bce(self.D(fake).float(), real)
         if batch_idx == self.spike_at:
             g_loss = g_loss * self.factor
