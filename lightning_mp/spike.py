@@ -20,13 +20,22 @@ optimizers stepped from one backward, is judged on the loss of that backward).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional, Union
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 #: the smallest ``spike_window``: the standard deviation of fewer values says little
 MIN_WINDOW = 8
+#: ``MPPlugin``'s default ``spike_window`` (OLMo-core's)
+DEFAULT_WINDOW = 128
+#: a spike must also rise above the window's mean by this fraction of the largest value of its figure in the run's
+#: clean steps: once a model has converged (a loss near 0, quantized by half-precision outputs), the window's standard
+#: deviation is near 0 and steps that move by a rounding step would otherwise be "spikes" (and, since a skipped step
+#: changes nothing, the same step again and again, until the divergence stop)
+PEAK_FRACTION = 0.01
 
 
 def make_spike_guard(spike_sigma: Any, spike_window: Any, skip_nonfinite: bool) -> Optional["SpikeGuard"]:
@@ -34,6 +43,11 @@ def make_spike_guard(spike_sigma: Any, spike_window: Any, skip_nonfinite: bool) 
     they ask for (``None``: off)."""
     check_spike_options(spike_sigma, spike_window)
     if spike_sigma is None:
+        if spike_window != DEFAULT_WINDOW:
+            rank_zero_warn(
+                f"MPPlugin: spike_window={spike_window!r} set, but spike_sigma=None: the loss-spike guard is off; set"
+                " spike_sigma (e.g. 6.0) to turn it on."
+            )
         return None
     if not skip_nonfinite:
         raise ValueError(
@@ -46,7 +60,7 @@ def check_spike_options(spike_sigma: Any, spike_window: Any) -> None:
     """Raise ``ValueError`` naming the bad value and what is accepted."""
     if spike_sigma is not None and (
         isinstance(spike_sigma, bool)
-        or not isinstance(spike_sigma, (int, float))
+        or not isinstance(spike_sigma, numbers.Real)
         or not math.isfinite(spike_sigma)
         or spike_sigma <= 0
     ):
@@ -54,7 +68,7 @@ def check_spike_options(spike_sigma: Any, spike_window: Any) -> None:
             f"spike_sigma={spike_sigma!r} is invalid: use a finite number > 0 (e.g. 6.0: skip steps whose loss or"
             " gradient norm is 6 standard deviations above the recent mean), or None to turn the guard off."
         )
-    if isinstance(spike_window, bool) or not isinstance(spike_window, int) or spike_window < MIN_WINDOW:
+    if isinstance(spike_window, bool) or not isinstance(spike_window, numbers.Integral) or spike_window < MIN_WINDOW:
         raise ValueError(
             f"spike_window={spike_window!r} is invalid: use an integer >= {MIN_WINDOW} (the number of recent"
             " non-skipped steps whose mean and standard deviation the guard compares with; default 128)."
@@ -80,6 +94,7 @@ class SpikeGuard:
         self.warmup = max(self.window // 4, 2)
         self._values: Optional[Tensor] = None  # (optimizers, 2, window) float32: losses, gradient norms
         self._count: Optional[Tensor] = None  # (optimizers,) int64: clean steps observed (the rings' write positions)
+        self._peak: Optional[Tensor] = None  # (optimizers, 2) float32: the largest clean loss and gradient norm
         self._spikes: Optional[Tensor] = None  # int64 [total spike skips, spike skips in a row]
         self._loaded: Optional[dict[str, Any]] = None
 
@@ -88,18 +103,23 @@ class SpikeGuard:
         if self._values is None:
             self._values = torch.zeros(1, 2, self.window, dtype=torch.float32, device=device)
             self._count = torch.zeros(1, dtype=torch.int64, device=device)
+            self._peak = torch.zeros(1, 2, dtype=torch.float32, device=device)
             self._spikes = torch.zeros(2, dtype=torch.int64, device=device)
             if self._loaded is not None:
                 loaded, self._loaded = self._loaded, None
                 self._values = loaded["values"].to(device)
                 self._count = torch.tensor(loaded["count"], dtype=torch.int64, device=device)
+                self._peak = loaded["peak"].to(device)
                 self._spikes.copy_(torch.tensor([loaded["spike_skips"], loaded["spikes_in_a_row"]]))
         elif self._values.device != device:  # (moved to another device: the state follows)
-            self._values, self._count, self._spikes = (t.to(device) for t in (self._values, self._count, self._spikes))
+            self._values, self._count, self._peak, self._spikes = (
+                t.to(device) for t in (self._values, self._count, self._peak, self._spikes)
+            )
         if index >= self._values.shape[0]:  # an optimizer not seen yet: its own empty window
             more = index + 1 - self._values.shape[0]
             self._values = torch.cat([self._values, self._values.new_zeros(more, 2, self.window)])
             self._count = torch.cat([self._count, self._count.new_zeros(more)])
+            self._peak = torch.cat([self._peak, self._peak.new_zeros(more, 2)])
 
     def decide(self, loss: Optional[Tensor], grad_norm: Optional[Tensor], index: int = 0) -> Tensor:
         """Whether this step of optimizer ``index`` is a spike (a 0-dim bool tensor on the device). A figure that is
@@ -114,7 +134,8 @@ class SpikeGuard:
         counted = n.clamp(min=1).float()
         mean = torch.where(filled, values, 0.0).sum(1) / counted
         var = torch.where(filled, (values - mean[:, None]) ** 2, 0.0).sum(1) / (counted - 1).clamp(min=1)
-        limit = mean + self.sigma * var.sqrt()
+        # (the floor: a rise of 1 % of the run's largest clean figure at least; see PEAK_FRACTION)
+        limit = mean + torch.maximum(self.sigma * var.sqrt(), PEAK_FRACTION * self._peak[index])
         above = ((now > limit) & torch.isfinite(now)).any()  # an inf/NaN figure is the inf/NaN check's to judge
         return above & (count >= self.warmup)
 
@@ -140,6 +161,8 @@ class SpikeGuard:
         column = values.index_select(1, at)
         values.index_copy_(1, at, torch.where(clean, torch.nan_to_num(now)[:, None], column))
         count.add_(clean.long())
+        peak = self._peak[index]
+        peak.copy_(torch.where(clean, torch.maximum(peak, torch.nan_to_num(now)), peak))
         spike = spike.reshape(()).long()
         self._spikes.copy_(torch.stack([self._spikes[0] + spike, (self._spikes[1] + 1) * spike]))
 
@@ -159,21 +182,24 @@ class SpikeGuard:
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors and ints (``torch.load(weights_only=True)`` reads them). One optimizer: ``values`` of shape
-        ``(2, window)`` and an int ``count``; several: ``(optimizers, 2, window)`` and a list of counts."""
+        ``(2, window)``, an int ``count`` and ``peak`` of shape ``(2,)`` (the largest clean loss and gradient norm);
+        several: ``(optimizers, 2, window)``, a list of counts and ``(optimizers, 2)``."""
         if self._values is None:
             if self._loaded is None:
-                return {"window": self.window, "values": torch.zeros(2, self.window), "count": 0, "spike_skips": 0,
-                        "spikes_in_a_row": 0}  # fmt: skip
-            values, counts = self._loaded["values"], list(self._loaded["count"])
+                return {"window": self.window, "values": torch.zeros(2, self.window), "count": 0,
+                        "peak": torch.zeros(2), "spike_skips": 0, "spikes_in_a_row": 0}  # fmt: skip
+            values, counts, peak = self._loaded["values"], list(self._loaded["count"]), self._loaded["peak"]
             spikes = [self._loaded["spike_skips"], self._loaded["spikes_in_a_row"]]
         else:
             values, counts = self._values.detach().cpu().clone(), self._count.tolist()
+            peak = self._peak.detach().cpu().clone()
             spikes = self._spikes.tolist()
         single = values.shape[0] == 1
         return {
             "window": self.window,
             "values": values[0] if single else values,
             "count": counts[0] if single else counts,
+            "peak": peak[0] if single else peak,
             "spike_skips": int(spikes[0]),
             "spikes_in_a_row": int(spikes[1]),
         }
@@ -213,13 +239,27 @@ class SpikeGuard:
                 f"The checkpoint's spike window holds {values.shape[2]} steps, but spike_window={self.window}: resume"
                 f" with spike_window={values.shape[2]}, or drop the plugin state's 'spike' entry to start a new window."
             )
-        loaded = {"window": self.window, "values": values.detach().float().cpu().clone(), "count": counts, **ints}
+        values = values.detach().float().cpu().clone()
+        peak = state.get("peak")
+        if peak is None:  # (written before the peak was kept: the window's largest values stand in)
+            filled = torch.arange(values.shape[2]) < torch.tensor(counts).clamp(max=values.shape[2])[:, None]
+            peak = torch.where(filled[:, None, :], values, 0.0).amax(2)
+        elif not isinstance(peak, Tensor) or not peak.is_floating_point() or peak.numel() != 2 * values.shape[0]:
+            raise ValueError(
+                f"The checkpoint's spike-guard 'peak' must be a float tensor of {2 * values.shape[0]} values (the"
+                " largest clean loss and gradient norm of each window)."
+            )
+        elif not bool(torch.isfinite(peak).all()):
+            raise ValueError("The checkpoint's spike-guard 'peak' holds inf/NaN values: it is corrupted.")
+        peak = peak.detach().float().cpu().reshape(values.shape[0], 2).clone()
+        loaded = {"window": self.window, "values": values, "count": counts, "peak": peak, **ints}
         if self._values is None:
             self._loaded = loaded
         else:
             device = self._values.device
             self._values = loaded["values"].to(device)
             self._count = torch.tensor(counts, dtype=torch.int64, device=device)
+            self._peak = peak.to(device)
             self._spikes.copy_(torch.tensor([ints["spike_skips"], ints["spikes_in_a_row"]]))
 
 

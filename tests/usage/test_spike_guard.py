@@ -8,6 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel, RandomDataset
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -345,3 +346,92 @@ def test_resume_carries_every_optimizers_window(tmp_path):
     del saved[key]["spike"]
     torch.save(saved, tmp_path / "no_window.ckpt")
     assert resume(tmp_path / "no_window.ckpt").stats.spike_skips == 0
+
+
+class Boring(BoringModel):
+    """Lightning's own BoringModel: SGD drives its loss to ~0, where half-precision outputs quantize it."""
+
+    def __init__(self, spike_at=None):
+        super().__init__()
+        self.spike_at = spike_at
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == self.spike_at:
+            batch = batch * 100  # an outlier batch
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        return DataLoader(RandomDataset(32, 4 * 300), batch_size=4)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "fp32", "bf16-true"])
+@pytest.mark.parametrize("window", [8, 32])
+def test_a_converged_model_is_not_locked_out(mode, window):
+    """Converged, the loss sits within rounding steps of 0 and the window's standard deviation is ~0: a step that moves
+    by one rounding step is no spike (a rise must also be 1 % of the run's largest loss or gradient norm). Without
+    that floor, such a step was skipped, and, since a skipped step changes nothing, every step after it too."""
+    p = plugin(mode, spike_window=window)
+    opt_trainer(p, max_steps=300).fit(Boring())
+    assert p.stats.spike_skips == 0 and p.stats.skipped_steps == 0
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])  # (fp32 converges to weight 0, bias 1: no input moves the loss)
+def test_a_spike_after_convergence_is_still_skipped(mode):
+    p = plugin(mode)
+    opt_trainer(p, max_steps=300).fit(Boring(spike_at=250))
+    assert p.stats.spike_skips == 1
+
+
+def _saved_window(tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    opt_trainer(plugin("bf16"), max_steps=30, enable_checkpointing=True, callbacks=[ckpt]).fit(Net(samples=480))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    key = next(k for k, v in saved.items() if isinstance(v, dict) and "spike" in v)
+    return saved, key
+
+
+def test_the_checkpoint_keeps_the_runs_peak_and_reads_one_without_it(tmp_path):
+    saved, key = _saved_window(tmp_path)
+    window = saved[key]["spike"]
+    assert window["peak"].shape == (2,) and bool((window["peak"] >= window["values"].amax(1)).all())
+    del window["peak"]  # (a checkpoint written before the peak was kept: the window's largest values stand in)
+    torch.save(saved, tmp_path / "old.ckpt")
+    again = plugin("bf16")
+    callbacks = [ModelCheckpoint(dirpath=tmp_path / "b")]
+    opt_trainer(again, max_steps=36, enable_checkpointing=True, callbacks=callbacks).fit(
+        Net(spike_at=[34], samples=480), ckpt_path=tmp_path / "old.ckpt"
+    )
+    assert again.stats.spike_skips == 1
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "match"),
+    [
+        ("values", torch.full((2, 32), math.nan), "holds inf/NaN"),
+        ("values", torch.zeros(3, 32), "shape"),
+        ("count", -1, "count=-1"),
+        ("count", [3, 4], "count=\\[3, 4\\]"),
+        ("peak", torch.zeros(5), "'peak'"),
+        ("peak", torch.tensor([math.inf, 1.0]), "'peak' holds inf/NaN"),
+        ("spike_skips", "2", "spike_skips='2'"),
+    ],
+)
+def test_a_malformed_window_in_the_checkpoint_is_refused_by_name(tmp_path, field, value, match):
+    saved, key = _saved_window(tmp_path)
+    saved[key]["spike"][field] = value
+    torch.save(saved, tmp_path / "bad.ckpt")
+    with pytest.raises(ValueError, match=match):
+        opt_trainer(plugin("bf16"), max_steps=36).fit(Net(samples=480), ckpt_path=tmp_path / "bad.ckpt")
+
+
+def test_a_window_without_sigma_is_not_silently_ignored():
+    with pytest.warns(UserWarning, match="spike_window=64 set, but spike_sigma=None"):
+        MPPlugin("bf16", spike_window=64)
+
+
+def test_numpy_numbers_are_accepted():
+    import numpy as np
+
+    p = plugin("bf16", spike_sigma=np.float64(6.0), spike_window=np.int64(32))
+    opt_trainer(p, max_steps=44).fit(Net(spike_at=[40]))
+    assert p.stats.spike_skips == 1
