@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from usage.conftest import opt_trainer
-from usage.test_spike_guard import GAN, Net, Snapshot, plugin, skipped_per_optimizer
+from usage.test_spike_guard import GAN, Boring, Net, Snapshot, plugin, skipped_per_optimizer
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,3 +47,10 @@ def test_each_optimizer_has_its_own_window_on_the_gpu():
     opt_trainer(p, max_steps=-1, max_epochs=1, **GPU).fit(GAN(spike_at=100))
     assert p.stats.spike_skips == 1 and skipped_per_optimizer(p) == [1, 0]
     assert tuple(p._spike._values.shape) == (2, 2, 32)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_a_converged_model_is_not_locked_out_on_the_gpu(mode):
+    p = plugin(mode, spike_window=32)
+    opt_trainer(p, max_steps=300, **GPU).fit(Boring())
+    assert p.stats.spike_skips == 0 and p.stats.skipped_steps == 0
