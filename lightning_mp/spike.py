@@ -95,7 +95,8 @@ class SpikeGuard:
         self._values: Optional[Tensor] = None  # (optimizers, 2, window) float32: losses, gradient norms
         self._count: Optional[Tensor] = None  # (optimizers,) int64: clean steps observed (the rings' write positions)
         self._peak: Optional[Tensor] = None  # (optimizers, 2) float32: the largest clean loss and gradient norm
-        self._spikes: Optional[Tensor] = None  # int64 [total spike skips, spike skips in a row]
+        self._total: Optional[Tensor] = None  # int64 (): spike skips of the run
+        self._streak: Optional[Tensor] = None  # (optimizers,) int64: each optimizer's spike skips in a row
         self._loaded: Optional[dict[str, Any]] = None
 
     # ------------------------------------------------------------------ state
@@ -104,22 +105,25 @@ class SpikeGuard:
             self._values = torch.zeros(1, 2, self.window, dtype=torch.float32, device=device)
             self._count = torch.zeros(1, dtype=torch.int64, device=device)
             self._peak = torch.zeros(1, 2, dtype=torch.float32, device=device)
-            self._spikes = torch.zeros(2, dtype=torch.int64, device=device)
+            self._total = torch.zeros((), dtype=torch.int64, device=device)
+            self._streak = torch.zeros(1, dtype=torch.int64, device=device)
             if self._loaded is not None:
                 loaded, self._loaded = self._loaded, None
                 self._values = loaded["values"].to(device)
                 self._count = torch.tensor(loaded["count"], dtype=torch.int64, device=device)
                 self._peak = loaded["peak"].to(device)
-                self._spikes.copy_(torch.tensor([loaded["spike_skips"], loaded["spikes_in_a_row"]]))
+                self._total.fill_(loaded["spike_skips"])
+                self._streak = torch.tensor(loaded["spikes_in_a_row"], dtype=torch.int64, device=device)
         elif self._values.device != device:  # (moved to another device: the state follows)
-            self._values, self._count, self._peak, self._spikes = (
-                t.to(device) for t in (self._values, self._count, self._peak, self._spikes)
+            self._values, self._count, self._peak, self._total, self._streak = (
+                t.to(device) for t in (self._values, self._count, self._peak, self._total, self._streak)
             )
         if index >= self._values.shape[0]:  # an optimizer not seen yet: its own empty window
             more = index + 1 - self._values.shape[0]
             self._values = torch.cat([self._values, self._values.new_zeros(more, 2, self.window)])
             self._count = torch.cat([self._count, self._count.new_zeros(more)])
             self._peak = torch.cat([self._peak, self._peak.new_zeros(more, 2)])
+            self._streak = torch.cat([self._streak, self._streak.new_zeros(more)])
 
     def decide(self, loss: Optional[Tensor], grad_norm: Optional[Tensor], index: int = 0) -> Tensor:
         """Whether this step of optimizer ``index`` is a spike (a 0-dim bool tensor on the device). A figure that is
@@ -164,44 +168,47 @@ class SpikeGuard:
         peak = self._peak[index]
         peak.copy_(torch.where(clean, torch.maximum(peak, torch.nan_to_num(now)), peak))
         spike = spike.reshape(()).long()
-        self._spikes.copy_(torch.stack([self._spikes[0] + spike, (self._spikes[1] + 1) * spike]))
+        self._total.add_(spike)
+        streak = self._streak[index]
+        streak.copy_((streak + 1) * spike)
 
     # ------------------------------------------------------------------ reading (syncs)
     @property
     def spike_skips(self) -> int:
-        if self._spikes is None:
+        """Steps the guard skipped in the run (every optimizer's)."""
+        if self._total is None:
             return 0 if self._loaded is None else int(self._loaded["spike_skips"])
-        return int(self._spikes[0].item())
+        return int(self._total.item())
 
-    @property
-    def spikes_in_a_row(self) -> int:
-        if self._spikes is None:
-            return 0 if self._loaded is None else int(self._loaded["spikes_in_a_row"])
-        return int(self._spikes[1].item())
+    def spikes_in_a_row(self, index: int = 0) -> int:
+        """The spike skips in a row of optimizer ``index`` (its latest steps)."""
+        streaks = self._streak.tolist() if self._streak is not None else (self._loaded or {}).get("spikes_in_a_row", [])
+        return int(streaks[index]) if index < len(streaks) else 0
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Plain tensors and ints (``torch.load(weights_only=True)`` reads them). One optimizer: ``values`` of shape
         ``(2, window)``, an int ``count`` and ``peak`` of shape ``(2,)`` (the largest clean loss and gradient norm);
-        several: ``(optimizers, 2, window)``, a list of counts and ``(optimizers, 2)``."""
+        several: ``(optimizers, 2, window)``, a list of counts and ``(optimizers, 2)``. ``spike_skips``: the run's
+        total; ``spikes_in_a_row``: an int, or a list with one per optimizer."""
         if self._values is None:
             if self._loaded is None:
                 return {"window": self.window, "values": torch.zeros(2, self.window), "count": 0,
                         "peak": torch.zeros(2), "spike_skips": 0, "spikes_in_a_row": 0}  # fmt: skip
             values, counts, peak = self._loaded["values"], list(self._loaded["count"]), self._loaded["peak"]
-            spikes = [self._loaded["spike_skips"], self._loaded["spikes_in_a_row"]]
+            total, streaks = self._loaded["spike_skips"], list(self._loaded["spikes_in_a_row"])
         else:
             values, counts = self._values.detach().cpu().clone(), self._count.tolist()
             peak = self._peak.detach().cpu().clone()
-            spikes = self._spikes.tolist()
+            total, streaks = int(self._total.item()), self._streak.tolist()
         single = values.shape[0] == 1
         return {
             "window": self.window,
             "values": values[0] if single else values,
             "count": counts[0] if single else counts,
             "peak": peak[0] if single else peak,
-            "spike_skips": int(spikes[0]),
-            "spikes_in_a_row": int(spikes[1]),
+            "spike_skips": int(total),
+            "spikes_in_a_row": streaks[0] if single else streaks,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -220,20 +227,21 @@ class SpikeGuard:
             )
         if not bool(torch.isfinite(values).all()):
             raise ValueError("The checkpoint's spike-guard window holds inf/NaN values: it is corrupted.")
-        counts = state.get("count")
-        counts = [counts] if not isinstance(counts, (list, tuple)) else list(counts)
-        bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts)
-        if bad or len(counts) != values.shape[0]:
-            raise ValueError(
-                f"The checkpoint's spike-guard counter count={state.get('count')!r} must be an integer >= 0 for each"
-                f" of its {values.shape[0]} window(s)."
-            )
-        ints = {}
-        for key in ("spike_skips", "spikes_in_a_row"):
-            value = state.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"The checkpoint's spike-guard counter {key}={value!r} must be an integer >= 0.")
-            ints[key] = value
+        per_window = {}
+        for key in ("count", "spikes_in_a_row"):
+            given = state.get(key)
+            listed = [given] if not isinstance(given, (list, tuple)) else list(given)
+            bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in listed)
+            if bad or len(listed) != values.shape[0]:
+                raise ValueError(
+                    f"The checkpoint's spike-guard counter {key}={given!r} must be an integer >= 0 for each of its"
+                    f" {values.shape[0]} window(s)."
+                )
+            per_window[key] = listed
+        counts = per_window["count"]
+        total = state.get("spike_skips")
+        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+            raise ValueError(f"The checkpoint's spike-guard counter spike_skips={total!r} must be an integer >= 0.")
         if values.shape[2] != self.window:
             raise ValueError(
                 f"The checkpoint's spike window holds {values.shape[2]} steps, but spike_window={self.window}: resume"
@@ -252,7 +260,9 @@ class SpikeGuard:
         elif not bool(torch.isfinite(peak).all()):
             raise ValueError("The checkpoint's spike-guard 'peak' holds inf/NaN values: it is corrupted.")
         peak = peak.detach().float().cpu().reshape(values.shape[0], 2).clone()
-        loaded = {"window": self.window, "values": values, "count": counts, "peak": peak, **ints}
+        streaks = per_window["spikes_in_a_row"]
+        loaded = {"window": self.window, "values": values, "count": counts, "peak": peak, "spike_skips": total,
+                  "spikes_in_a_row": streaks}  # fmt: skip
         if self._values is None:
             self._loaded = loaded
         else:
@@ -260,7 +270,8 @@ class SpikeGuard:
             self._values = loaded["values"].to(device)
             self._count = torch.tensor(counts, dtype=torch.int64, device=device)
             self._peak = peak.to(device)
-            self._spikes.copy_(torch.tensor([ints["spike_skips"], ints["spikes_in_a_row"]]))
+            self._total.fill_(total)
+            self._streak = torch.tensor(streaks, dtype=torch.int64, device=device)
 
 
 def _figure(value: Optional[Tensor], ref: Tensor) -> Tensor:

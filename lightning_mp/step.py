@@ -530,7 +530,7 @@ class OptimizerSteps:
             else "look for a NaN/inf in the data or the loss, lower the learning rate, or add gradient clipping"
         )
         which = f" of optimizer {state.index}" if len(self._optimizers) > 1 else ""
-        spikes = self.spike.spikes_in_a_row if self.spike is not None else 0
+        spikes = self.spike.spikes_in_a_row(state.index) if self.spike is not None else 0
         if spikes:
             advice = (
                 f"{spikes} of them were loss or gradient-norm spikes (spike_sigma={self.spike.sigma:g}, spike_window="

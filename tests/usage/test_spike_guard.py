@@ -270,7 +270,7 @@ class GAN(LightningModule):
         bce = nn.functional.binary_cross_entropy_with_logits
         real, zeros = torch.ones(x.shape[0], 1, device=x.device), torch.zeros(x.shape[0], 1, device=x.device)
         g_loss = bce(self.D(fake).float(), real)
-        if batch_idx == self.spike_at:
+        if batch_idx == self.spike_at or (isinstance(self.spike_at, range) and batch_idx in self.spike_at):
             g_loss = g_loss * self.factor
         if self.one_backward:
             opt_g.zero_grad()
@@ -435,3 +435,13 @@ def test_numpy_numbers_are_accepted():
     p = plugin("bf16", spike_sigma=np.float64(6.0), spike_window=np.int64(32))
     opt_trainer(p, max_steps=44).fit(Net(spike_at=[40]))
     assert p.stats.spike_skips == 1
+
+
+def test_one_optimizers_spikes_in_a_row_stop_training_and_name_it():
+    """The generator's steps are all spikes from batch 100 while the discriminator's are clean: the generator's own
+    streak reaches the limit, and the message says spikes were the cause (a streak shared by both optimizers was
+    reset by every clean discriminator step)."""
+    p = plugin("bf16", max_consecutive_skips=5)
+    with pytest.raises(NonFiniteTrainingError, match="of optimizer 0 in a row.*5 of them were loss or gradient-norm"):
+        opt_trainer(p, max_steps=-1, max_epochs=1).fit(GAN(spike_at=range(100, 128)))
+    assert skipped_per_optimizer(p) == [5, 0] and p.stats.spike_skips == 5
