@@ -3,8 +3,10 @@
 Large runs diverge through finite spikes as often as through inf/NaN. With ``MPPlugin(..., spike_sigma=k)`` a step
 whose loss or total gradient norm exceeds ``mean + k * std`` of the last ``spike_window`` steps that were not skipped
 is skipped exactly as an inf/NaN step is (parameters, master weights, optimizer state, schedulers and buffers keep
-their values), once at least ``spike_window // 4`` steps are in the window. This is what OLMo-core's
-``SkipStepOptimizer`` and levanter do; PaLM skipped the batches around its spikes by hand.
+their values), once at least ``spike_window // 4`` steps are in the window, and provided the rise above the mean is
+also at least 1 % of the largest value of that figure in the run's clean steps (``PEAK_FRACTION``). This is what
+OLMo-core's ``SkipStepOptimizer`` and levanter do (without the floor); PaLM skipped the batches around its spikes by
+hand.
 
 Everything stays on the device: each optimizer's window is a ``(2, spike_window)`` tensor ring of (loss, gradient
 norm), the decision a 0-dim flag that joins the step's inf/NaN verdict, so no host sync is added. Under DDP/FSDP
