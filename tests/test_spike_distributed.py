@@ -125,3 +125,18 @@ def test_a_spike_on_one_rank_is_skipped_by_every_rank(tmp_path, strategy, mode):
     assert r0["stats"] == r1["stats"]
     for a, b in zip(r0["full"], r1["full"]):
         assert torch.equal(a, b), "the ranks' weights parted"
+
+
+def test_under_ddp_spawn_the_figures_come_back_through_callback_metrics(tmp_path):
+    """``ddp_spawn`` trains in child processes; the launching process gets the weights and ``callback_metrics``
+    back (Lightning's launcher), so PrecisionMonitor's figures are where a user reads the skip there."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mp import PrecisionMonitor
+
+    plugin = MPPlugin("bf16", spike_sigma=6.0, spike_window=WINDOW)
+    trainer = make_trainer(plugin, STEPS, [PrecisionMonitor(log_every_n_steps=1)], devices=2, strategy="ddp_spawn",
+                           logger=CSVLogger(tmp_path))  # fmt: skip
+    trainer.fit(OneRankSpike())
+    assert trainer.callback_metrics["precision/spike_skips"] == 1
+    assert trainer.callback_metrics["precision/skipped_steps"] == 1
