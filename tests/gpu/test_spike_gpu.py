@@ -54,3 +54,34 @@ def test_a_converged_model_is_not_locked_out_on_the_gpu(mode):
     p = plugin(mode, spike_window=32)
     opt_trainer(p, max_steps=300, **GPU).fit(Boring())
     assert p.stats.spike_skips == 0 and p.stats.skipped_steps == 0
+
+
+class FP8Net(Net):
+    """Net with layers Transformer Engine runs in FP8 (dimensions multiples of 16), BatchNorm kept."""
+
+    def __init__(self, spike_at=(), factor=1e3):
+        super().__init__(spike_at=spike_at, factor=factor)
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU(),
+                                       torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64),
+                                       torch.nn.ReLU(), torch.nn.Linear(64, 1))  # fmt: skip
+
+
+def _fp8_ready():
+    import importlib.util
+
+    return importlib.util.find_spec("transformer_engine") is not None and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and _fp8_ready()), reason="needs Transformer Engine and sm >= 8.9")
+def test_fp8_a_spike_is_skipped_and_a_smooth_run_is_not():
+    fp8 = {"size_rule": "off"}
+    smooth = plugin("fp8", fp8=fp8)
+    opt_trainer(smooth, max_steps=300, **GPU).fit(FP8Net())
+    assert smooth._fp8 is not None and smooth.stats.spike_skips == 0 and smooth.stats.skipped_steps == 0
+
+    snap, p = Snapshot(at=40), plugin("fp8", fp8=fp8)
+    opt_trainer(p, max_steps=44, callbacks=[snap], **GPU).fit(FP8Net(spike_at=[40]))
+    assert p.stats.spike_skips == 1 and p.stats.skipped_steps == 1
+    for name, value in snap.before.items():
+        assert torch.equal(value, snap.after[name]), name
