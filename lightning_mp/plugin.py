@@ -36,7 +36,7 @@ from lightning_mp.modes import PrecisionMode, parse_precision, uses_fp8_settings
 from lightning_mp.options import SCALER_DEFAULTS, announce, check_flags, check_options, describe, plugin_compute_dtype
 from lightning_mp.run_precision import RunPrecision
 from lightning_mp.schedulers import SchedulerHold
-from lightning_mp.spike import make_spike_guard
+from lightning_mp.spike import DEFAULT_WINDOW, make_spike_guard
 from lightning_mp.stats import StepStats
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
@@ -103,7 +103,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         reduce_dtype: Optional[str] = None,
         fsdp_param_dtype: Optional[str] = None,
         spike_sigma: Optional[float] = None,
-        spike_window: int = 128,
+        spike_window: int = DEFAULT_WINDOW,
     ) -> None:
         # not MixedPrecision.__init__: it needs the device up front and knows two modes only
         arguments = locals()

@@ -162,13 +162,13 @@ class SpikeGuard:
             clean = torch.isfinite(now).all() & (not skipped)
         else:
             clean = ~skipped.reshape(()).to(ref.device).bool() & torch.isfinite(now).all()
-        values, count = self._values[index], self._count[index]  # views: written in place
+        now = torch.nan_to_num(now)  # (only a clean step's figures are taken, and those are finite)
+        values, count, peak = self._values[index], self._count[index], self._peak[index]  # views: written in place
         at = (count % self.window).reshape(1)
         column = values.index_select(1, at)
-        values.index_copy_(1, at, torch.where(clean, torch.nan_to_num(now)[:, None], column))
+        values.index_copy_(1, at, torch.where(clean, now[:, None], column))
         count.add_(clean.long())
-        peak = self._peak[index]
-        peak.copy_(torch.where(clean, torch.maximum(peak, torch.nan_to_num(now)), peak))
+        peak.copy_(torch.where(clean, torch.maximum(peak, now), peak))
         spike = spike.reshape(()).long()
         self._total.add_(spike)
         streak = self._streak[index]

@@ -9,6 +9,7 @@ from typing import Optional
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -227,3 +228,25 @@ class ForkLauncher(_MultiProcessingLauncher):
         if worker_output.weights_path is not None:
             self._strategy.checkpoint_io.remove_checkpoint(worker_output.weights_path)
         super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
+
+
+class CPUFSDPStrategy(FSDPStrategy):
+    """Lightning's FSDPStrategy, launched by fork (a test harness: Lightning only lets FSDP run on CUDA)."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = ForkLauncher(self, start_method="fork")
+
+    def _setup_model(self, model):
+        # as FSDPStrategy._setup_model, with the CPU named explicitly (torch's FSDP wants a device id for it)
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(
+            module=model, mixed_precision=self.mixed_precision_config, device_id=torch.device("cpu"), **self.kwargs
+        )
+
+
+class ForkModelParallel(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2), launched by fork instead of its script launcher."""
+
+    def _configure_launcher(self) -> None:
+        self._launcher = ForkLauncher(self, start_method="fork")

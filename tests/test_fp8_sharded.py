@@ -106,8 +106,7 @@ def test_prepare_fp8_does_nothing_under_other_precisions(tmp_path, plugins):
     """The same LightningModule runs in bf16 (or without MPPlugin) by the Trainer flag alone."""
     torch.manual_seed(0)
     if plugins is None:
-        from test_model_parallel import ForkModelParallel
-        from conftest import make_trainer
+        from conftest import ForkModelParallel, make_trainer
 
         strategy = ForkModelParallel(data_parallel_size=2, tensor_parallel_size=1)
         trainer = make_trainer(None, 3, [], devices=2, strategy=strategy)

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import ForkLauncher, TinyRegressor, make_trainer
+from conftest import CPUFSDPStrategy, TinyRegressor, make_trainer
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import FSDPStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -23,19 +23,6 @@ from lightning_mp.master import fp32_values
 from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
-
-
-class CPUFSDPStrategy(FSDPStrategy):
-    """Lightning's FSDPStrategy, launched by fork (a test harness: Lightning only lets FSDP run on CUDA)."""
-
-    def _configure_launcher(self) -> None:
-        self._launcher = ForkLauncher(self, start_method="fork")
-
-    def _setup_model(self, model):
-        # as FSDPStrategy._setup_model, with the CPU named explicitly (torch's FSDP wants a device id for it)
-        return FullyShardedDataParallel(
-            module=model, mixed_precision=self.mixed_precision_config, device_id=torch.device("cpu"), **self.kwargs
-        )
 
 
 class FSDPRegressor(TinyRegressor):

@@ -10,18 +10,12 @@ import math
 
 import pytest
 import torch
-from conftest import ForkLauncher, TinyRegressor, make_trainer
+from conftest import ForkModelParallel, TinyRegressor, make_trainer
 from lightning.pytorch import Callback
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_mp import MPPlugin
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
-
-
-class ForkModelParallel(ModelParallelStrategy):
-    def _configure_launcher(self) -> None:
-        self._launcher = ForkLauncher(self, start_method="fork")
 
 
 class Sharded(TinyRegressor):

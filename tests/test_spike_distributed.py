@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ForkLauncher, TinyRegressor, make_trainer
+from conftest import CPUFSDPStrategy, ForkModelParallel, TinyRegressor, make_trainer
 from lightning.pytorch import Callback
-from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 from lightning_mp import MPPlugin
@@ -19,22 +18,6 @@ from lightning_mp import MPPlugin
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
 SPIKE_AT, STEPS, WINDOW = 12, 16, 16  # the guard judges from step WINDOW // 4 = 4 on
-
-
-class _CPUFSDP(FSDPStrategy):
-    """Lightning's FSDPStrategy launched by fork with the CPU as device (Lightning lets FSDP run on CUDA only)."""
-
-    def _configure_launcher(self) -> None:
-        self._launcher = ForkLauncher(self, start_method="fork")
-
-    def _setup_model(self, model):
-        return FullyShardedDataParallel(module=model, mixed_precision=self.mixed_precision_config,
-                                        device_id=torch.device("cpu"), **self.kwargs)  # fmt: skip
-
-
-class _ForkModelParallel(ModelParallelStrategy):
-    def _configure_launcher(self) -> None:
-        self._launcher = ForkLauncher(self, start_method="fork")
 
 
 class OneRankSpike(TinyRegressor):
@@ -103,8 +86,8 @@ class Record(Callback):
 
 STRATEGIES = {
     "ddp": lambda: "ddp_fork",
-    "fsdp": lambda: _CPUFSDP(),
-    "fsdp2": lambda: _ForkModelParallel(data_parallel_size=2, tensor_parallel_size=1),
+    "fsdp": lambda: CPUFSDPStrategy(),
+    "fsdp2": lambda: ForkModelParallel(data_parallel_size=2, tensor_parallel_size=1),
 }
 
 

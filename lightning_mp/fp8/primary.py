@@ -145,9 +145,11 @@ def requantize_from_masters(optimizers: list[Optimizer]) -> int:
     for opt in optimizers:
         opt = getattr(opt, "_optimizer", opt)
         get = getattr(opt, "get_unscaled_state", None)
+        if get is None:  # (an optimizer without masters of its own: seed_masters refused it for FP8 weights)
+            continue
         for group in opt.param_groups:
             for param in group["params"]:
-                if not is_quantized(param) or "master_param" not in opt.state.get(param, {}) or get is None:
+                if not is_quantized(param) or "master_param" not in opt.state.get(param, {}):
                     continue
                 master = _local(get(param, "master_param"))
                 with torch.no_grad():
@@ -198,6 +200,7 @@ def fit_delayed_scale(param: Tensor, value: Tensor) -> None:
         import torch.distributed as dist
 
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=value.device_mesh.get_group())
-    top = 57344.0 if "E5M2" in str(getattr(quantizer, "dtype", "")) else 448.0
+    fmt = torch.float8_e5m2 if "E5M2" in str(getattr(quantizer, "dtype", "")) else torch.float8_e4m3fn
+    top = torch.finfo(fmt).max  # 57344 / 448
     with torch.no_grad():
         scale.copy_(torch.where(amax > 0, top / amax, torch.ones_like(amax)).expand_as(scale))
