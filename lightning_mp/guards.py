@@ -50,7 +50,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -230,15 +230,68 @@ def fp32_region() -> Iterator[None]:
         else:
             yield
         return
-    with contextlib.ExitStack() as stack:
-        for device in _AUTOCAST_DEVICES:
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        previous = torch.get_default_dtype()
-        if previous is not torch.float32:
-            torch.set_default_dtype(torch.float32)
-            stack.callback(torch.set_default_dtype, previous)
+    region = _EagerRegion()
+    try:
         yield
+    finally:
+        region.close()
+
+
+class _EagerRegion:
+    """The eager fp32 region as a plain object: opened in a guard's pre-hook, closed in its forward hook.
+
+    Not a generator: a region that is never closed (a ``KeyboardInterrupt`` inside forward skips torch's
+    ``always_call`` hooks; Lightning catches it and the process goes on) is dropped by :meth:`discard` with no side
+    effect, where a suspended generator's garbage collection would switch autocast back on at some later moment.
+    """
+
+    __slots__ = ("_autocasts", "_dtype", "_hooks", "_upcasts")
+
+    def __init__(self) -> None:
+        self._autocasts = [torch.autocast(d, enabled=False) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)]
+        for autocast in self._autocasts:
+            autocast.__enter__()
+        previous = torch.get_default_dtype()
+        self._dtype: Optional[torch.dtype] = previous if previous is not torch.float32 else None
+        if self._dtype is not None:
+            torch.set_default_dtype(torch.float32)
+        self._hooks: Optional[Any] = None  # saved-tensor hooks (see keep_originals)
+        self._upcasts: Optional[dict] = None
+
+    def keep_originals(self, upcasts: dict[int, tuple[Tensor, int, Tensor, int]]) -> None:
+        """Until the region closes, what autograd saves of an fp32 copy in ``upcasts`` is kept as its 16-bit
+        original (nothing without grad, or where other saved-tensor hooks are in force)."""
+        if not torch.is_grad_enabled() or _saved_tensor_hooks_active():
+            return
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*_save_originals(upcasts))
+        self._hooks.__enter__()
+        self._upcasts = upcasts
+
+    def close(self) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+        self._forget_upcasts()  # the hooks outlive forward (in backward): they must not keep the copies
+        if self._dtype is not None:
+            torch.set_default_dtype(self._dtype)
+        for autocast in reversed(self._autocasts):
+            autocast.__exit__(None, None, None)
+
+    def discard(self) -> None:
+        """A region whose forward never finished: autocast and the default dtype were put back by the contexts
+        around it as they unwound; only our saved-tensor hooks may still be in force (on top: popped)."""
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        if self._hooks is not None and top is not None:
+            current = top(False)
+            if current is not None and getattr(current[0], "__qualname__", "").startswith("_save_originals"):
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+        self._hooks = None
+        self._forget_upcasts()
+        self._autocasts = []
+
+    def _forget_upcasts(self) -> None:
+        if self._upcasts is not None:
+            self._upcasts.clear()
+            self._upcasts = None
 
 
 def _result_dtype(x: Tensor, dtype: Optional[torch.dtype]) -> torch.dtype:
@@ -299,10 +352,13 @@ def fp32_layer_norm(
     if up is x or not _saving_for_backward() or x.is_inference():
         with fp32_region():
             return F.layer_norm(up, shape, weight, bias, eps).to(out)
-    with fp32_region(), contextlib.ExitStack() as stack:
+    region = _EagerRegion()
+    try:
         # backward keeps the 16-bit input, not its fp32 copy (the same values): see FP32Guard
-        _keep_originals(stack, {id(up): (up, up._version, x, x._version)})
+        region.keep_originals({id(up): (up, up._version, x, x._version)})
         return F.layer_norm(up, shape, weight, bias, eps).to(out)
+    finally:
+        region.close()
 
 
 # --------------------------------------------------------------------------------------------- fused LayerNorm
@@ -446,18 +502,6 @@ class _Original:
         self.tensor = tensor
 
 
-def _keep_originals(stack: contextlib.ExitStack, upcasts: dict[int, tuple[Tensor, int, Tensor, int]]) -> None:
-    """Until ``stack`` closes, what autograd saves of an fp32 copy in ``upcasts`` is kept as its 16-bit original.
-
-    ``upcasts`` maps ``id(copy)`` to ``(copy, copy._version, original, original._version)``. Nothing is done
-    without grad or where other saved-tensor hooks (activation checkpointing, CPU offloading) are in force.
-    """
-    if not torch.is_grad_enabled() or _saved_tensor_hooks_active():
-        return
-    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*_save_originals(upcasts)))
-    stack.callback(upcasts.clear)  # the hooks outlive forward (in backward): they must not keep the copies
-
-
 def _save_originals(upcasts: dict[int, tuple[Tensor, int, Tensor, int]]) -> tuple[Any, Any]:
     def pack(t: Tensor) -> Any:
         entry = upcasts.get(id(t))
@@ -524,9 +568,9 @@ class FP32Guard:
         #: fp32 region (``None`` on ``_open``), which tells the forward to run the kernel
         self.fused_layer_norm = fused_layer_norm
         self.handles: list[Any] = []
-        #: one entry per open call: ``None`` (the compiled LayerNorm kernel runs), ``(ExitStack, (), back)`` (eager
+        #: one entry per open call: ``None`` (the compiled LayerNorm kernel runs), ``(_EagerRegion, (), back)`` (eager
         #: fp32 region) or ``(None, devices, back)`` (dynamo tracing: the forward runs with autocast off on ``devices``)
-        self._open: list[Optional[tuple[Optional[contextlib.ExitStack], tuple[str, ...], Optional[torch.dtype]]]] = []
+        self._open: list[Optional[tuple[Optional[_EagerRegion], tuple[str, ...], Optional[torch.dtype]]]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         default = torch.get_default_dtype()  # the model's compute dtype (before the fp32 region makes it fp32)
@@ -550,11 +594,10 @@ class FP32Guard:
 
         args, kwargs = tree_map_only(Tensor, up, (args, kwargs))
         back = self._output_dtype(low, default)
-        stack = contextlib.ExitStack()
-        stack.enter_context(fp32_region())
+        region = _EagerRegion()
         if upcasts:
-            _keep_originals(stack, upcasts)
-        self._open.append((stack, (), back))
+            region.keep_originals(upcasts)
+        self._open.append((region, (), back))
         return args, kwargs
 
     def _before_compiling(self, args: tuple, kwargs: dict, default: torch.dtype) -> tuple[tuple, dict]:
@@ -586,9 +629,9 @@ class FP32Guard:
         opened = self._open.pop()
         if opened is None:  # the compiled kernel ran: its output is in the input's dtype already
             return None
-        stack, _, back = opened
-        if stack is not None:
-            stack.close()
+        region, _, back = opened
+        if region is not None:
+            region.close()
         if back is None or output is None:
             return None
         return tree_map_only(Tensor, lambda t: t.to(back) if t.dtype == torch.float32 else t, output)
@@ -609,6 +652,10 @@ class FP32Guard:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        while self._open:  # regions a KeyboardInterrupt left open (newest first)
+            opened = self._open.pop()
+            if opened is not None and opened[0] is not None:
+                opened[0].discard()
 
 
 def guarded_modules(module: nn.Module, spec: Union[FP32GuardSpec, Sequence[FP32ModuleSpec], None] = None) -> list[str]:
@@ -665,20 +712,39 @@ def apply_fp32_guards(
 
 def remove_fp32_guards(module: nn.Module) -> list[str]:
     """Remove every FP32 guard inside ``module`` (parameters keep their dtype); returns the names unguarded."""
-    removed = []
-    for name, sub in module.named_modules():
-        guard = sub.__dict__.pop(_GUARD_ATTR, None)
-        if isinstance(guard, FP32Guard):
-            guard.remove()
-            forward = sub.__dict__.get("forward")
-            if isinstance(forward, _GuardedForward):
-                inner = getattr(forward, "inner", None)
-                if inner is None:
-                    del sub.__dict__["forward"]
-                else:
-                    sub.__dict__["forward"] = inner
-            removed.append(name)
-    return removed
+    return [name for name, sub in module.named_modules() if remove_fp32_guard(sub)]
+
+
+def remove_fp32_guard(sub: nn.Module) -> bool:
+    """Remove the FP32 guard installed on this very module (hooks, its ``forward`` and attribute); whether it had one."""
+    guard = sub.__dict__.pop(_GUARD_ATTR, None)
+    if not isinstance(guard, FP32Guard):
+        return False
+    guard.remove()
+    forward = sub.__dict__.get("forward")
+    if isinstance(forward, _GuardedForward):
+        inner = getattr(forward, "inner", None)
+        if inner is None:
+            del sub.__dict__["forward"]
+        else:
+            sub.__dict__["forward"] = inner
+    return True
+
+
+def guard_for_run(
+    module: nn.Module, spec: Union[FP32GuardSpec, Sequence[FP32ModuleSpec], None] = None
+) -> tuple[list[str], Callable[[], None]]:
+    """:func:`apply_fp32_guards` for one run: the guarded names, and a callable that removes the guards this call
+    installed (guards already there, the user's own, stay)."""
+    before = {id(sub) for sub in module.modules() if fp32_guard_of(sub) is not None}
+    names = apply_fp32_guards(module, spec)
+    added = [sub for sub in (module.get_submodule(name) for name in names) if id(sub) not in before]
+
+    def undo() -> None:
+        for sub in added:
+            remove_fp32_guard(sub)
+
+    return names, undo
 
 
 def fp32_guard_of(module: nn.Module) -> Optional[FP32Guard]:

@@ -30,9 +30,10 @@ from typing_extensions import override
 import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import load_plugin_state, plugin_state
 from lightning_mp.fp8 import FP8Config
-from lightning_mp.guards import FP32GuardSpec, apply_fp32_guards
+from lightning_mp.guards import FP32GuardSpec, guard_for_run
 from lightning_mp.master import parse_master_weights
 from lightning_mp.modes import PrecisionMode, parse_precision, uses_fp8_settings
+from lightning_mp.patches import Patches
 from lightning_mp.options import SCALER_DEFAULTS, announce, check_flags, check_options, describe, plugin_compute_dtype
 from lightning_mp.run_precision import RunPrecision
 from lightning_mp.schedulers import SchedulerHold
@@ -123,11 +124,13 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self.fp32_guards = FP32GuardSpec.from_arg(fp32_modules)
         self.reduce_dtype, self.fsdp_param_dtype = reduce_dtype, fsdp_param_dtype
         self.fp8_config = FP8Config.from_value(fp8)  # validated now; TE is imported at set-up only
+        self._patches = Patches()  # every change to objects we do not own, undone at teardown (lightning_mp.patches)
         self._weights = MasterWeightsSetup(None if master_weights is None else parse_master_weights(master_weights))
         self._run = RunPrecision(
             requested, scaler_kwargs, device=device or ("cuda" if torch.cuda.is_available() else "cpu"),
             given_scaler=scaler, skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips, tf32=tf32,
             fp8_config=self.fp8_config, fsdp_param_dtype=fsdp_param_dtype, weights=self._weights,
+            patches=self._patches,
         )  # fmt: skip
         self.stats = StepStats(self._run.scaler, spike=self._spike)
         self._steps: Optional[OptimizerSteps] = None
@@ -167,7 +170,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         if self.mode is not None and not self.mode.true_half and device.type == "cuda":
             # fp32 weights: CUDA autocast (any mode a schedule switches to) and TE's norms run these in fp32 already
             spec = spec.without_autocast_fp32()
-        guarded = apply_fp32_guards(module, spec)
+        guarded, unguard = guard_for_run(module, spec)
+        self._patches.add(f"FP32 guards on {len(guarded)} modules of {type(module).__name__}", unguard)
         self._guarded_classes = tuple({type(module.get_submodule(name)) for name in guarded})
         half_gathers = distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None
         if self._run.sharded and guarded and half_gathers:
@@ -198,17 +202,19 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self._steps.connect(module, raw)
         self.stats.set_namer(self._weights.namer(module or model))
         if self.hold_schedulers_on_skip and self.scaler is not None:
-            self._hold.install(module, lr_schedulers, skipped_for=self._steps.skipped_for)
+            if self._hold.install(module, lr_schedulers, skipped_for=self._steps.skipped_for):
+                self._patches.add(f"lr_scheduler_step on {type(module).__name__}", self._hold.remove)
         self._run.connect_fp8(module, device, watch=self.scaler is not None, optimizers=raw)
         return model, optimizers, lr_schedulers
 
     @override
     def teardown(self) -> None:
-        self._run.teardown()  # TF32 flags and TE's own amax reduction back
-        if self._steps is not None:
-            self._steps.close()  # the last batch ends, the gradient hooks go
-        self._hold.remove()
-        super().teardown()
+        try:
+            if self._steps is not None:
+                self._steps.close()  # the last batch ends, the gradient hooks go
+        finally:
+            self._patches.undo_all()  # guards, the scheduler hold, TF32, TE: the module is a plain module again
+            super().teardown()
 
     @property
     def mixed_precision_config(self) -> Any:

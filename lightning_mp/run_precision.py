@@ -24,6 +24,7 @@ from lightning_mp.modes import (
     resolve_mode,
 )
 from lightning_mp.options import changed_scaler_arguments, make_scaler
+from lightning_mp.patches import Patches
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.true_half import MasterWeightsSetup
 
@@ -50,8 +51,10 @@ class RunPrecision:
         fp8_config: FP8Config,
         fsdp_param_dtype: Optional[str],
         weights: MasterWeightsSetup,
+        patches: Optional[Patches] = None,
     ) -> None:
         self.requested = requested
+        self.patches = patches if patches is not None else Patches()  # TF32 flags, TE's amax reduction: undone here
         self.scaler_kwargs = scaler_kwargs
         self.device = device
         self.given_scaler = given_scaler
@@ -181,7 +184,10 @@ class RunPrecision:
             accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),
             automatic_optimization=module.automatic_optimization if module is not None else True,
         )
-        self.fp8.watch_saturation(watch)  # infs that FP8 casts saturate join the step's verdict
+        if self.fp8.watch_saturation(watch) is not None:  # infs that FP8 casts saturate join the step's verdict
+            fp8 = self.fp8
+            self.patches.add("Transformer Engine's amax reduction and FP8 module hooks (saturation checks)",
+                             lambda: fp8.watch_saturation(False))
 
     def switch(self, precision: str, *, started: bool) -> PrecisionMode:
         """Another mode between two optimizer steps (``started``: weights and layers are already converted)."""
@@ -209,12 +215,8 @@ class RunPrecision:
             return
         if self._tf32_saved is None:
             self._tf32_saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+            self.patches.add("TF32 flags (torch.backends)", self.restore_tf32)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = wanted
-
-    def teardown(self) -> None:
-        self.restore_tf32()
-        if self.fp8 is not None:
-            self.fp8.watch_saturation(False)  # TE's own amax reduction back, hooks off
 
     def restore_tf32(self) -> None:
         if self._tf32_saved is not None:

@@ -3,7 +3,7 @@
 Lightning steps a step-interval scheduler after every optimizer step, skipped or not (Lightning issues #5558,
 #16228). The one extension point it offers is ``LightningModule.lr_scheduler_step``; this module wraps it on the
 module instance while training runs (the user's override, if any, stays in charge) and removes the wrapper at
-teardown. It is the only object of the user's that the package patches.
+teardown (listed in :mod:`lightning_mp.patches`).
 """
 
 from __future__ import annotations
@@ -32,13 +32,15 @@ class SchedulerHold:
 
     def install(
         self, module: Optional[LightningModule], configs: list, skipped_for: Callable[[Optional[Optimizer]], bool]
-    ) -> None:
+    ) -> bool:
+        """Wrap ``module.lr_scheduler_step`` if a step-interval scheduler is among ``configs``; whether it was
+        wrapped now (to be undone with :meth:`remove`)."""
         self._skipped_for = skipped_for
         self._step_schedulers = {
             id(c.scheduler) for c in configs if getattr(c, "interval", "epoch") == "step" and hasattr(c, "scheduler")
         }
         if module is None or not self._step_schedulers or self._module is module:
-            return
+            return False
         self.remove()
         original = module.lr_scheduler_step
 
@@ -49,6 +51,7 @@ class SchedulerHold:
 
         module.lr_scheduler_step = lr_scheduler_step  # type: ignore[method-assign]
         self._module = module
+        return True
 
     def remove(self) -> None:
         if self._module is not None:

@@ -1,0 +1,77 @@
+"""Every change the plugin makes to objects it does not own, each with its undo.
+
+A run of ``MPPlugin`` changes these, and nothing else, outside its own objects:
+
+=====================================  ==============================  =============================================
+what                                   made by                         undone
+=====================================  ==============================  =============================================
+FP32 guards: a forward pre-hook, a     ``convert_module``              ``teardown`` (the guards this plugin put
+forward hook, an instance ``forward``  (:mod:`lightning_mp.guards`)    there; guards the user applied stay)
+and an attribute on guarded modules
+``lr_scheduler_step`` on the           ``connect``                     ``teardown``
+LightningModule instance               (:mod:`lightning_mp.schedulers`)
+TF32 flags (``torch.backends``)        ``connect`` (``tf32=`` or the   ``teardown`` (the values found before)
+                                       mode's)
+Transformer Engine's                   ``connect`` (fp8 with           ``teardown``
+``FP8GlobalStateManager.reduce_and_    saturation checks)
+update_fp8_tensors`` and hooks on its  (:mod:`lightning_mp.fp8.sentinel`)
+FP8 modules
+=====================================  ==============================  =============================================
+
+Not patches, and kept after the run as Lightning's own plugins keep them: true-half weights stay half (as
+``precision="bf16-true"`` leaves them; the guarded modules' weights stay fp32), FP8 layers stay Transformer Engine's
+(as Lightning's ``TransformerEnginePrecision`` leaves them), and ``LightningModule.dtype`` reports the dtype the
+weights were cast to. State that lives only while code runs (autocast, the default dtype in true-half modes, the
+fp32 regions of guards) is entered and left by context managers, also when an exception unwinds them.
+
+Lightning calls ``teardown`` after every entry point (``fit``, ``validate``, ``test``, ``predict``), also when the run
+ends with an exception or an interrupt: afterwards the user's module is a plain module again.
+
+Example::
+
+    patches = Patches()
+    patches.add("lr_scheduler_step on MyModel", hold.remove)
+    ...
+    patches.undo_all()          # newest first; every undo runs, the first error is raised after the rest
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+class Patches:
+    """An ordered record of changes to other people's objects, undone newest first."""
+
+    def __init__(self) -> None:
+        self._undo: list[tuple[str, Callable[[], object]]] = []
+
+    def add(self, what: str, undo: Callable[[], object]) -> None:
+        """Record a change that was just made, with the callable that reverts it."""
+        self._undo.append((what, undo))
+
+    @property
+    def applied(self) -> list[str]:
+        """What is changed right now, oldest first."""
+        return [what for what, _ in self._undo]
+
+    def undo_all(self) -> None:
+        """Revert every recorded change, newest first. Each undo runs even if an earlier one failed; the first
+        failure is raised at the end, with the change it belongs to named."""
+        failure: BaseException | None = None
+        failed = ""
+        while self._undo:
+            what, undo = self._undo.pop()
+            try:
+                undo()
+            except Exception as err:  # noqa: BLE001 - the rest must still be undone
+                if failure is None:
+                    failure, failed = err, what
+        if failure is not None:
+            raise RuntimeError(f"lightning_mp could not undo its change to {failed}: {failure}") from failure
+
+    def __len__(self) -> int:
+        return len(self._undo)
+
+    def __repr__(self) -> str:
+        return f"Patches({self.applied!r})"
