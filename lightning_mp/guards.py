@@ -716,7 +716,7 @@ def remove_fp32_guards(module: nn.Module) -> list[str]:
 
 
 def remove_fp32_guard(sub: nn.Module) -> bool:
-    """Remove the FP32 guard installed on this very module (hooks, its ``forward`` and attribute); whether it had one."""
+    """Remove the FP32 guard on this very module (hooks, its ``forward``, its attribute); whether it had one."""
     guard = sub.__dict__.pop(_GUARD_ATTR, None)
     if not isinstance(guard, FP32Guard):
         return False
