@@ -56,6 +56,10 @@ from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
 
+#: the plans of an optimizer's steps (see ``OptimizerSteps._plan``)
+_CHECK_ONLY, _CLOSURE, _GENERAL = "check-only", "closure", "general"
+
+
 class Stage(enum.Enum):
     READY = "ready"
     PREPARED = "prepared"  # gathered and unscaled: hooks and clipping may run
@@ -75,6 +79,8 @@ class _OptimizerState:
     #: the total gradient norm clipping computed this step (the spike guard's figure; ``None``: not computed)
     norm: Optional[Tensor] = None
     stats: OptimizerStats = field(default_factory=OptimizerStats)
+    #: the plan of its steps, decided at its first step and kept (``None``: not decided yet; see ``_plan``)
+    plan: Optional[str] = None
 
 
 class OptimizerSteps:
@@ -99,7 +105,7 @@ class OptimizerSteps:
         spike: Optional[SpikeGuard] = None,
         release_grads: bool = False,
     ) -> None:
-        self.scaler = scaler
+        self._scaler = scaler
         self.masters = masters
         self.stats = stats
         self.max_consecutive_skips = max_consecutive_skips
@@ -117,6 +123,16 @@ class OptimizerSteps:
         self._module: Optional[LightningModule] = None
         self._trainer: Any = None
         self._overlap = OverlappedCheck()
+
+    @property
+    def scaler(self) -> Optional[DynamicLossScaler]:
+        return self._scaler
+
+    @scaler.setter
+    def scaler(self, scaler: Optional[DynamicLossScaler]) -> None:
+        self._scaler = scaler  # (a mode switch between steps: the plans are decided again)
+        for state in self._optimizers.values():
+            state.plan = None
 
     # ------------------------------------------------------------------ set-up
     def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
@@ -205,9 +221,12 @@ class OptimizerSteps:
         **kwargs: Any,
     ) -> Any:
         """One optimizer step (stages 1–8). ``hooks_and_clipping`` runs ``on_before_optimizer_step`` and clipping."""
-        if self._takes_closure(optimizer, model, closure):
-            return self._run_with_closure(optimizer, model, closure, hooks_and_clipping, **kwargs)
         state = self._state(optimizer)
+        plan = state.plan or self._plan(state, model, closure)
+        if plan is _CHECK_ONLY:
+            return self._run_check_only(optimizer, state, model, closure, hooks_and_clipping, kwargs)
+        if plan is _CLOSURE or self._takes_closure(optimizer, model, closure):
+            return self._run_with_closure(optimizer, model, closure, hooks_and_clipping, **kwargs)
         closure()  # (a training_step that returned None still steps with the gradients there are, as Lightning does)
         try:
             self.prepare(optimizer)
@@ -216,6 +235,81 @@ class OptimizerSteps:
         finally:
             if state.stage is Stage.PREPARED:
                 self._abandon(state)  # an error inside the step
+
+    def _plan(self, state: _OptimizerState, model: LightningModule, closure: Callable[[], Any]) -> str:
+        """Decide once what this optimizer's steps do (kept until the scaler or the optimizers change).
+
+        ``_CHECK_ONLY``: the common case of a single process in a check-only mode (fp32, tf32, bf16) with fp32
+        weights, a non-fused optimizer, no spike guard, FP8 or large-model early check: the read-only check, the
+        host's one answer, the step or not (:meth:`_run_check_only`). ``_CLOSURE``: the optimizer evaluates the
+        closure (LBFGS). ``_GENERAL``: everything else (:meth:`prepare` and :meth:`_step`).
+        """
+        optimizer, scaler = state.optimizer, self.scaler
+        if isinstance(optimizer, LBFGS):
+            plan = _CLOSURE
+        elif (
+            scaler is not None
+            and scaler.is_enabled()
+            and not scaler.scaling
+            and not scaler.sharded
+            and not scaler.sync_across_ranks
+            and self.masters is None
+            and self.spike is None
+            and self.saturation is None
+            and not self._overlap.installed
+            and model.automatic_optimization
+            and not getattr(optimizer, "_step_supports_amp_scaling", False)
+        ):
+            plan = _CHECK_ONLY
+        else:
+            plan = _GENERAL
+        if model.automatic_optimization:  # (manual optimization: the closure decides at each step)
+            state.plan = plan
+        return plan
+
+    def _run_check_only(
+        self,
+        optimizer: Optimizer,
+        state: _OptimizerState,
+        model: LightningModule,
+        closure: Callable[[], Any],
+        hooks_and_clipping: Callable[[], None],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """The ``_CHECK_ONLY`` plan: stages 1–8 with nothing to gather, unscale, reduce or join."""
+        closure()
+        scaler = self.scaler
+        state.stage, state.dirty = Stage.PREPARED, True
+        try:
+            hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
+            torch_state = scaler._per_optimizer_states.get(id(optimizer))
+            if torch_state is None or torch_state["stage"] is OptState.READY:
+                found = DynamicLossScaler._check_grads_(optimizer, torch.zeros((), device=scaler.scale_device))
+            else:
+                if state.dirty:  # a configure_gradient_clipping override wrote after the norm was taken
+                    self._check(optimizer, state)
+                found = torch_state["found_inf_per_device"]
+            # torch's GradScaler pays this one host sync too; its answer decides the step and is counted as known
+            skipped = any(flag.item() for flag in found.values())
+            out = None if skipped else optimizer.step(**kwargs)
+            state.stage = Stage.STEPPED
+        finally:
+            if state.stage is Stage.PREPARED:
+                self._abandon(state)  # an error inside the step
+        scaler.forget(optimizer)
+        if skipped:
+            self.buffers.restore(optimizer, True, None)
+        state.stats.record(skipped, None)
+        if self.release_grads:
+            _release_grads(optimizer)
+        state.norm = None
+        self._batch_verdicts.append(skipped)
+        self._update_scale()  # one optimizer per batch: the batch is over
+        self.buffers.drop()
+        state.stage = Stage.READY
+        self._last_loss = None
+        self._check_divergence(model, state)
+        return out
 
     def prepare(self, optimizer: Optimizer) -> None:
         """READY → PREPARED: gather fp32 gradients (true-half), unscale them (fp16). Idempotent."""

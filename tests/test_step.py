@@ -1,0 +1,119 @@
+"""The optimizer step without a Trainer: OptimizerSteps driven by a plain loop (milliseconds), and the plan each
+optimizer's steps follow, decided once (lightning_mp/step.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import nn
+
+from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.stats import StepStats
+from lightning_mp.step import _CHECK_ONLY, _CLOSURE, _GENERAL, OptimizerSteps
+
+
+class Net(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def _steps(scaling: bool = False, max_consecutive_skips=None) -> tuple[OptimizerSteps, StepStats]:
+    scaler = DynamicLossScaler("cpu", scaling=scaling, init_scale=2.0**8)
+    scaler.ensure_initialized(torch.device("cpu"))
+    stats = StepStats(scaler)
+    return OptimizerSteps(scaler, None, stats, max_consecutive_skips=max_consecutive_skips), stats
+
+
+def _loop(steps: OptimizerSteps, model: Net, opt, batches, *, clip=None, scaler_scale=None):
+    losses = []
+    for x, y in batches:
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model.net(x), y)
+            (loss * scaler_scale() if scaler_scale else loss).backward()
+            losses.append(loss.item())
+            return loss
+
+        def hooks():
+            if clip is not None:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                steps.record_norm(opt, norm)
+
+        steps.begin_batch(model, [opt])
+        steps.run(opt, model, closure, hooks)
+    return losses
+
+
+def _batches(n: int, poison: int | None = None) -> list:
+    g = torch.Generator().manual_seed(1)
+    out = [(torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)) for _ in range(n)]
+    if poison is not None:
+        out[poison][0][0, 0] = float("nan")
+    return out
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_plain_loop_skips_a_nan_step_bit_identically(clip):
+    model = Net()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    steps, stats = _steps()
+    steps.connect(model, [opt])
+    _loop(steps, model, opt, _batches(3), clip=clip)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = {k: {n: t.clone() if torch.is_tensor(t) else t for n, t in v.items()} for k, v in opt.state.items()}
+    _loop(steps, model, opt, _batches(1, poison=0), clip=clip)
+    assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
+    for key, saved in state.items():
+        for name, value in saved.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(opt.state[key][name])), name
+    assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (4, 1, 1)
+    losses = _loop(steps, model, opt, _batches(1) * 40)  # one batch, learnt
+    assert stats.consecutive_skips == 0 and losses[-1] < losses[0]
+    assert steps._optimizers[id(opt)].plan is _CHECK_ONLY
+
+
+def test_the_plan_is_decided_once_and_again_after_a_mode_switch():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps, _ = _steps()
+    steps.connect(model, [opt])
+    _loop(steps, model, opt, _batches(2))
+    assert steps._optimizers[id(opt)].plan is _CHECK_ONLY
+    scaling = DynamicLossScaler("cpu", scaling=True, init_scale=2.0**8)
+    scaling.ensure_initialized(torch.device("cpu"))
+    steps.scaler = scaling  # fp32 -> fp16 between steps (PrecisionSchedule)
+    assert steps._optimizers[id(opt)].plan is None
+    _loop(steps, model, opt, _batches(2), scaler_scale=scaling.get_scale)
+    assert steps._optimizers[id(opt)].plan is _GENERAL
+
+
+def test_lbfgs_and_fused_optimizers_take_their_own_plans():
+    model = Net()
+    lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
+    steps, stats = _steps()
+    steps.connect(model, [lbfgs])
+    _loop(steps, model, lbfgs, _batches(2))
+    assert steps._optimizers[id(lbfgs)].plan is _CLOSURE and stats.steps == 2
+    model = Net()
+    fused = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
+    steps, stats = _steps()
+    steps.connect(model, [fused])
+    before = [p.detach().clone() for p in model.parameters()]
+    _loop(steps, model, fused, _batches(1, poison=0))
+    assert steps._optimizers[id(fused)].plan is _GENERAL  # the fused kernel skips on found_inf
+    assert stats.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_divergence_stop_in_a_plain_loop():
+    from lightning_mp.stats import NonFiniteTrainingError
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps, _ = _steps(max_consecutive_skips=3)
+    steps.connect(model, [opt])
+    with pytest.raises(NonFiniteTrainingError, match="3 optimizer steps in a row"):
+        for _ in range(3):
+            _loop(steps, model, opt, _batches(1, poison=0))
