@@ -753,6 +753,56 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.update()
 
 
+class PlannedCheck:
+    """The read-only inf/NaN check of one optimizer's gradients, planned from its parameters once.
+
+    Where every parameter is a plain dense tensor on one device in one dtype (the common case), what the check
+    needs to know (the device, the dtype, the kernel for their size) is found here, not on every step; the step
+    then lists the gradients and runs one fused kernel. ``None`` from :meth:`of`: the general
+    :meth:`DynamicLossScaler._check_grads_` applies (several devices or dtypes, sharded or complex parameters).
+    The plan is kept while the optimizer's parameter count is unchanged (``add_param_group`` makes a new one).
+    """
+
+    __slots__ = ("params", "dtype", "numel", "count")
+
+    def __init__(self, params: list[torch.Tensor], dtype: torch.dtype, numel: int, count: int) -> None:
+        self.params, self.dtype, self.numel, self.count = params, dtype, numel, count
+
+    @staticmethod
+    def count_of(optimizer: torch.optim.Optimizer) -> int:
+        return sum(len(group["params"]) for group in optimizer.param_groups)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> Optional["PlannedCheck"]:
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for p in every if p.numel()]  # an empty tensor holds nothing to check
+        if not params:
+            return None
+        device, dtype = params[0].device, params[0].dtype
+        for p in params:
+            if (
+                p.device != device or p.dtype != dtype or p.layout is not torch.strided or p.is_complex()
+                or _is_dtensor(p) or not (dtype.is_floating_point)
+            ):
+                return None
+        return cls(params, dtype, sum(p.numel() for p in params), len(every))
+
+    def found_inf(self, flag: torch.Tensor) -> Optional[dict[torch.device, torch.Tensor]]:
+        """Set ``flag`` where a gradient is inf/NaN; ``None`` where a gradient is not what the plan expected (a sparse
+        gradient of an ``nn.Embedding(sparse=True)``): the caller takes the general check."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return {}
+        first = grads[0]
+        if (
+            first.layout is not torch.strided or first.dtype != self.dtype or type(first) is not torch.Tensor
+            or first.device != flag.device
+        ):
+            return None
+        check_tensors_({self.dtype: grads}, self.numel, flag)
+        return {flag.device: flag}
+
+
 def check_tensors_(per_dtype: dict[torch.dtype, list[torch.Tensor]], numel: int, flag: torch.Tensor) -> None:
     """Set ``flag`` (a 0-dim float tensor on the tensors' device) to 1 if any tensor holds an inf or NaN.
 

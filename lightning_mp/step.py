@@ -52,12 +52,12 @@ from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.master import MasterWeights, StepRecords
 from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
-from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.scaling import DynamicLossScaler, PlannedCheck
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
 
 #: the plans of an optimizer's steps (see ``OptimizerSteps._plan``)
-_CHECK_ONLY, _CLOSURE, _GENERAL = "check-only", "closure", "general"
+_CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL = "check-only", "check-only fused", "closure", "general"
 
 
 class Stage(enum.Enum):
@@ -81,6 +81,8 @@ class _OptimizerState:
     stats: OptimizerStats = field(default_factory=OptimizerStats)
     #: the plan of its steps, decided at its first step and kept (``None``: not decided yet; see ``_plan``)
     plan: Optional[str] = None
+    #: the check-only plans' inf/NaN check, planned from the parameters (``None``: the general check)
+    check: Optional[PlannedCheck] = None
 
 
 class OptimizerSteps:
@@ -223,7 +225,7 @@ class OptimizerSteps:
         """One optimizer step (stages 1–8). ``hooks_and_clipping`` runs ``on_before_optimizer_step`` and clipping."""
         state = self._state(optimizer)
         plan = state.plan or self._plan(state, model, closure)
-        if plan is _CHECK_ONLY:
+        if plan is _CHECK_ONLY or plan is _CHECK_ONLY_FUSED:
             return self._run_check_only(optimizer, state, model, closure, hooks_and_clipping, kwargs)
         if plan is _CLOSURE or self._takes_closure(optimizer, model, closure):
             return self._run_with_closure(optimizer, model, closure, hooks_and_clipping, **kwargs)
@@ -240,8 +242,9 @@ class OptimizerSteps:
         """Decide once what this optimizer's steps do (kept until the scaler or the optimizers change).
 
         ``_CHECK_ONLY``: the common case of a single process in a check-only mode (fp32, tf32, bf16) with fp32
-        weights, a non-fused optimizer, no spike guard, FP8 or large-model early check: the read-only check, the
-        host's one answer, the step or not (:meth:`_run_check_only`). ``_CLOSURE``: the optimizer evaluates the
+        weights, no spike guard, FP8 or large-model early check: the read-only check, the host's one answer, the
+        step or not (:meth:`_run_check_only`); ``_CHECK_ONLY_FUSED``: the same with a fused optimizer, which gets the
+        verdict as ``found_inf`` and skips on the device (no host sync). ``_CLOSURE``: the optimizer evaluates the
         closure (LBFGS). ``_GENERAL``: everything else (:meth:`prepare` and :meth:`_step`).
         """
         optimizer, scaler = state.optimizer, self.scaler
@@ -258,9 +261,10 @@ class OptimizerSteps:
             and self.saturation is None
             and not self._overlap.installed
             and model.automatic_optimization
-            and not getattr(optimizer, "_step_supports_amp_scaling", False)
         ):
-            plan = _CHECK_ONLY
+            fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+            plan = _CHECK_ONLY_FUSED if fused else _CHECK_ONLY
+            state.check = PlannedCheck.of(optimizer)
         else:
             plan = _GENERAL
         if model.automatic_optimization:  # (manual optimization: the closure decides at each step)
@@ -276,7 +280,7 @@ class OptimizerSteps:
         hooks_and_clipping: Callable[[], None],
         kwargs: dict[str, Any],
     ) -> Any:
-        """The ``_CHECK_ONLY`` plan: stages 1–8 with nothing to gather, unscale, reduce or join."""
+        """The check-only plans: stages 1–8 with nothing to gather, unscale, reduce or join."""
         closure()
         scaler = self.scaler
         state.stage, state.dirty = Stage.PREPARED, True
@@ -284,26 +288,45 @@ class OptimizerSteps:
             hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
             torch_state = scaler._per_optimizer_states.get(id(optimizer))
             if torch_state is None or torch_state["stage"] is OptState.READY:
-                found = DynamicLossScaler._check_grads_(optimizer, torch.zeros((), device=scaler.scale_device))
+                flag = torch.zeros((), device=scaler.scale_device)
+                check = state.check
+                if check is not None and check.count != PlannedCheck.count_of(optimizer):  # add_param_group
+                    check = state.check = PlannedCheck.of(optimizer)
+                found = check.found_inf(flag) if check is not None else None
+                if found is None:
+                    found = DynamicLossScaler._check_grads_(optimizer, flag)
             else:
                 if state.dirty:  # a configure_gradient_clipping override wrote after the norm was taken
                     self._check(optimizer, state)
                 found = torch_state["found_inf_per_device"]
-            # torch's GradScaler pays this one host sync too; its answer decides the step and is counted as known
-            skipped = any(flag.item() for flag in found.values())
-            out = None if skipped else optimizer.step(**kwargs)
+            if state.plan is _CHECK_ONLY_FUSED:  # the kernel skips on found_inf == 1: no host sync
+                flags = [f.reshape(()) for f in found.values()]
+                verdict: Optional[Tensor] = (
+                    torch.zeros((), device=scaler.scale_device) if not flags
+                    else flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+                )
+                skipped: Optional[bool] = None
+                optimizer.found_inf = verdict  # type: ignore[attr-defined]
+                try:
+                    out = optimizer.step(**kwargs)
+                finally:
+                    del optimizer.found_inf  # type: ignore[attr-defined]
+            else:
+                # torch's GradScaler pays this one host sync too; its answer decides the step, counted as known
+                verdict, skipped = None, any(flag.item() for flag in found.values())
+                out = None if skipped else optimizer.step(**kwargs)
             state.stage = Stage.STEPPED
         finally:
             if state.stage is Stage.PREPARED:
                 self._abandon(state)  # an error inside the step
         scaler.forget(optimizer)
-        if skipped:
-            self.buffers.restore(optimizer, True, None)
-        state.stats.record(skipped, None)
+        if skipped is not False:
+            self.buffers.restore(optimizer, skipped, verdict)
+        state.stats.record(skipped, verdict)
         if self.release_grads:
             _release_grads(optimizer)
         state.norm = None
-        self._batch_verdicts.append(skipped)
+        self._batch_verdicts.append(skipped if skipped is not None else _as_flag(verdict, scaler))
         self._update_scale()  # one optimizer per batch: the batch is over
         self.buffers.drop()
         state.stage = Stage.READY

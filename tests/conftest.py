@@ -204,13 +204,22 @@ def make_trainer(plugin=None, max_steps: int = 8, callbacks=(), **kwargs) -> Tra
 @pytest.fixture
 def check_passes(monkeypatch) -> list:
     """Counts the separate inf/NaN gradient passes of MPPlugin's check-only scaler (one entry per pass)."""
-    from lightning_mp.scaling import DynamicLossScaler
+    from lightning_mp.scaling import DynamicLossScaler, PlannedCheck
 
     calls: list = []
     original = DynamicLossScaler._check_grads_
     monkeypatch.setattr(
         DynamicLossScaler, "_check_grads_", staticmethod(lambda opt, found: calls.append(1) or original(opt, found))
     )
+    planned = PlannedCheck.found_inf
+
+    def found_inf(self, flag):  # the check planned once (lightning_mp.step's check-only plans)
+        found = planned(self, flag)
+        if found is not None:
+            calls.append(1)
+        return found
+
+    monkeypatch.setattr(PlannedCheck, "found_inf", found_inf)
     return calls
 
 

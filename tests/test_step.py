@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import StepStats
-from lightning_mp.step import _CHECK_ONLY, _CLOSURE, _GENERAL, OptimizerSteps
+from lightning_mp.step import _CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL, OptimizerSteps
 
 
 class Net(LightningModule):
@@ -103,8 +103,12 @@ def test_lbfgs_and_fused_optimizers_take_their_own_plans():
     steps.connect(model, [fused])
     before = [p.detach().clone() for p in model.parameters()]
     _loop(steps, model, fused, _batches(1, poison=0))
-    assert steps._optimizers[id(fused)].plan is _GENERAL  # the fused kernel skips on found_inf
+    assert steps._optimizers[id(fused)].plan is _CHECK_ONLY_FUSED  # the fused kernel skips on found_inf
     assert stats.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(int(s["step"]) == 0 for s in fused.state.values())  # Adam's step count held too
+    _loop(steps, model, fused, _batches(2))
+    assert (stats.steps, stats.skipped_steps) == (3, 1)
+    assert all(int(s["step"]) == 2 for s in fused.state.values())
 
 
 def test_divergence_stop_in_a_plain_loop():
@@ -117,3 +121,35 @@ def test_divergence_stop_in_a_plain_loop():
     with pytest.raises(NonFiniteTrainingError, match="3 optimizer steps in a row"):
         for _ in range(3):
             _loop(steps, model, opt, _batches(1, poison=0))
+
+
+def test_the_planned_check_falls_back_where_gradients_are_not_as_planned():
+    """A sparse embedding gradient, a parameter group added mid-run, a NaN in either: still skipped."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1)
+    model = Net()
+    model.emb, model.head = emb, head
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    steps, stats = _steps()
+    steps.connect(model, [opt])
+    idx = torch.tensor([1, 2, 3])
+
+    def step(poison: bool = False) -> None:
+        def closure():
+            opt.zero_grad()
+            out = head(emb(idx)).sum() * (float("nan") if poison else 1.0)
+            out.backward()
+            return out
+
+        steps.run(opt, model, closure, lambda: None)
+
+    step()
+    before = emb.weight.detach().clone()
+    step(poison=True)
+    assert torch.equal(before, emb.weight) and stats.skipped_steps == 1
+    opt.add_param_group({"params": head.parameters()})
+    head_before = [p.detach().clone() for p in head.parameters()]
+    step(poison=True)
+    assert stats.skipped_steps == 2 and all(torch.equal(a, b) for a, b in zip(head_before, head.parameters()))
+    step()
+    assert stats.skipped_steps == 2 and not torch.equal(head_before[0], head.weight)
