@@ -79,7 +79,8 @@ def load_plugin_state(
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"The checkpoint's loss-scaler state is corrupted: {err}") from err
     _load_counters(state, stats)
-    _load_master_weights(state.get("master_weights"), masters, master_weights, current_mode, module)
+    saved_dtype = MODES[saved_mode].param_dtype if isinstance(saved_mode, str) and saved_mode in MODES else None
+    _load_master_weights(state.get("master_weights"), masters, master_weights, current_mode, module, saved_dtype)
     if fp8 is not None:
         fp8.load_state_dict(state.get("fp8"))  # warns when the recipe changed
     if spike is not None and state.get("spike") is not None:
@@ -103,7 +104,12 @@ def _load_counters(state: dict[str, Any], stats: StepStats) -> None:
 
 
 def _load_master_weights(
-    saved: Any, masters: Optional[MasterWeights], current: Optional[str], mode: str, module: Optional[nn.Module]
+    saved: Any,
+    masters: Optional[MasterWeights],
+    current: Optional[str],
+    mode: str,
+    module: Optional[nn.Module],
+    saved_dtype: Optional[torch.dtype] = None,
 ) -> None:
     saved_kind = saved.get("kind") if isinstance(saved, dict) else None
     if saved is not None and saved_kind is None:
@@ -130,11 +136,30 @@ def _load_master_weights(
     with torch.no_grad():
         for name, value in fp32_values(saved, params).items():
             param = params.get(name)
-            if param is not None and param.dtype == torch.float32 and param.shape == value.shape:
-                param.copy_(value)
-                restored += 1
+            if param is None or param.dtype != torch.float32 or param.shape != value.shape:
+                continue
+            value = value.to(param.device, torch.float32)
+            # the checkpoint's weight is the truth: a master stands in for it only where it rounds to that weight
+            # (weights written after the last step, e.g. an EMA average put in at the end of fit, keep their values)
+            if saved_dtype is not None and not torch.equal(value.to(saved_dtype), param.to(saved_dtype)):
+                continue
+            param.copy_(value)
+            restored += 1
     if not restored:
         rank_zero_warn(
             f"MPPlugin: the checkpoint's {saved_kind!r} master weights are not used: precision={mode!r}"
             + (" with master_weights='none' trains the half weights alone." if current == "none" else ".")
         )
+
+
+#: the entries of ``torch.amp.GradScaler.state_dict()``: what Lightning's ``MixedPrecision`` saves and loads
+TORCH_SCALER_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def lightning_scaler_state(scaler: Any) -> dict[str, Any]:
+    """The loss scale in the form Lightning's ``MixedPrecision`` keeps in checkpoints (under ``"MixedPrecision"``), so
+    that a run resumed with ``precision="16-mixed"`` keeps the scale; ``{}`` where no loss scale is in force."""
+    if scaler is None or not getattr(scaler, "scaling", False) or not scaler.is_enabled():
+        return {}
+    state = torch.amp.GradScaler.state_dict(scaler)
+    return {key: state[key] for key in TORCH_SCALER_KEYS if key in state}

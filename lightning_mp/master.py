@@ -272,6 +272,7 @@ class MasterWeights:
         for param in _half_params(optimizer):
             self._entry(param)
             count += 1
+        _upcast_eager_state(optimizer)
         return count
 
     def name_parameters(self, module: nn.Module) -> None:
@@ -442,11 +443,12 @@ class MasterWeights:
         """The fp32 stand-ins take the parameters' places in the param groups, with their optimizer state."""
         if records.swapped:
             return
-        state = records.optimizer.state
+        states = _states_of(records.optimizer)
         for r in records.records:
             r.group[r.index] = r.standin
-            if r.param in state:
-                state[r.standin] = state.pop(r.param)
+            for state in states:
+                if r.param in state:
+                    state[r.standin] = state.pop(r.param)
         records.swapped = True
 
     @staticmethod
@@ -454,11 +456,12 @@ class MasterWeights:
         """The parameters get their places and their optimizer state back."""
         if not records.swapped:
             return
-        state = records.optimizer.state
+        states = _states_of(records.optimizer)
         for r in records.records:
             r.group[r.index] = r.param
-            if r.standin in state:
-                state[r.param] = state.pop(r.standin)
+            for state in states:
+                if r.standin in state:
+                    state[r.param] = state.pop(r.standin)
         records.swapped = False
 
     @contextlib.contextmanager
@@ -589,6 +592,25 @@ class MasterWeights:
         return {self._name(pid): e for pid, e in self._entries.items()}
 
 
+def _upcast_eager_state(optimizer: Optimizer) -> None:
+    """State an optimizer made in its constructor from the half parameters (Adagrad's ``sum``) becomes fp32, as the
+    state every other optimizer makes at its first step from the fp32 stand-ins: in fp16 an eps-sized accumulator
+    underflows, and 0/0 makes the weights NaN."""
+    for state in _states_of(optimizer):
+        for param, values in state.items():
+            if isinstance(param, Tensor) and param.dtype in _HALF and isinstance(values, dict):
+                for key, value in values.items():
+                    if isinstance(value, Tensor) and value.dtype == param.dtype and value.shape == param.shape:
+                        values[key] = value.float()
+
+
+def _states_of(optimizer: Optimizer) -> list[dict]:
+    """The state of ``optimizer`` and of any optimizer it wraps over the same parameters (SAM's
+    ``base_optimizer``): all are keyed by the parameters, so all follow a swap."""
+    inner = [o.state for o in vars(optimizer).values() if isinstance(o, Optimizer) and o is not optimizer]
+    return [optimizer.state, *inner] if inner else [optimizer.state]
+
+
 def _grad_stamp(param: Tensor) -> Optional[tuple[int, int]]:
     grad = param.grad
     return None if grad is None else (id(grad), grad._version)
@@ -641,7 +663,10 @@ class FP32MasterWeights(MasterWeights):
 
     def _rederive(self, entry: _Entry) -> None:
         with torch.no_grad():
-            entry.held.copy_(entry.param.detach())
+            weight, master = entry.param.detach(), entry.held.detach()
+            if master.shape == weight.shape and torch.equal(master.to(weight.dtype), weight):
+                return  # written with the value it had (Embedding(max_norm=...) renormalising in place): keep the bits
+            master.copy_(weight)
 
     def _standin(self, entry: _Entry) -> nn.Parameter:
         entry.held.requires_grad_(entry.param.requires_grad)

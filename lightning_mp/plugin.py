@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning_mp.distributed as distributed
-from lightning_mp.checkpoint import load_plugin_state, plugin_state
+from lightning_mp.checkpoint import lightning_scaler_state, load_plugin_state, plugin_state
 from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
 from lightning_mp.master import parse_master_weights
@@ -149,6 +149,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     master_weights = property(lambda self: self._weights.kind(self.mode), doc="The master-weights option in force.")
     __repr__ = describe  # MPPlugin('fp16', init_scale=1024.0): the mode and the settings that differ from defaults
     compute_dtype = plugin_compute_dtype  # the dtype matmuls run in (lightning_mp.ThroughputMonitor reads it)
+
+    def check_precision_switch(self, precision: str) -> None:
+        """Raise ``ValueError`` now if :meth:`set_precision` could not switch to ``precision`` during training."""
+        self._run.check_switch(precision)
 
     def set_precision(self, precision: str) -> PrecisionMode:
         """Switch among fp32/tf32/bf16/fp16 between steps (``PrecisionSchedule``); counters and the scale carry over."""
@@ -341,6 +345,13 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         parts = dict(scaler=self.scaler, masters=self.masters, master_weights=self.master_weights, fp8=self._fp8)
         load_plugin_state(state_dict, current_mode=self._run.name, stats=self.stats, module=self._converted,
                           spike=self._spike, **parts)  # fmt: skip
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # what Lightning's own MixedPrecision reads: precision="16-mixed" resumes this checkpoint with its scale
+        lightning_state = lightning_scaler_state(self.scaler)
+        if lightning_state:
+            checkpoint.setdefault("MixedPrecision", lightning_state)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

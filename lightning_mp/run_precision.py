@@ -195,18 +195,28 @@ class RunPrecision:
         mode = resolve_mode(auto_choice(self.device)[0] if name == AUTO else name, self.device)
         if self.mode is not None and mode.name == self.mode.name:
             return mode
-        fixed = mode.fp8 or mode.true_half or (self.mode is not None and (self.mode.true_half or self.mode.fp8))
-        if started and fixed:
-            raise ValueError(
-                f"set_precision({precision!r}): cannot switch from precision={self.name!r} to {mode.name!r} during"
-                " training: weights' dtypes, FP8 layers and master weights are fixed when training starts. Switch"
-                " among 'fp32', 'tf32', 'bf16' and 'fp16', or save a checkpoint and resume it in the other mode."
-            )
+        if started:
+            self.check_switch(precision)
         self.set_mode(mode)
         if self.scaler is not None:
             self.scaler.ensure_initialized(torch.device(self.device))
         self.apply_tf32()
         return mode
+
+    def check_switch(self, precision: str) -> None:
+        """Raise ``ValueError`` now if training could not switch to ``precision`` from the mode it starts in:
+        weights' dtypes, FP8 layers and master weights are fixed when training starts."""
+        name = parse_precision(precision)
+        mode = MODES[auto_choice(self.device)[0] if name == AUTO else name]
+        if self.mode is not None and mode.name == self.mode.name:
+            return
+        current = self.mode if self.mode is not None else MODES[auto_choice(self.device)[0]]  # auto: an autocast mode
+        if mode.fp8 or mode.true_half or current.true_half or current.fp8:
+            raise ValueError(
+                f"set_precision({precision!r}): cannot switch from precision={self.name!r} to {mode.name!r} during"
+                " training: weights' dtypes, FP8 layers and master weights are fixed when training starts. Switch"
+                " among 'fp32', 'tf32', 'bf16' and 'fp16', or save a checkpoint and resume it in the other mode."
+            )
 
     def apply_tf32(self) -> None:
         wanted = self.tf32 if self.tf32 is not None else self.mode.tf32

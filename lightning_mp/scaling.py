@@ -336,7 +336,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return self._check_grads_(optimizer, found_inf)
         # fp16 gradients are legal here: half-precision weights keep half gradients;
         # torch only refuses them because unscaling could underflow them.
-        return super()._unscale_grads_(optimizer, inv_scale, found_inf, True)
+        source = _RealGradients(optimizer) if _has_complex_grads(optimizer) else optimizer
+        return super()._unscale_grads_(source, inv_scale, found_inf, True)
 
     @staticmethod
     def _check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
@@ -811,7 +812,7 @@ def check_tensors_(per_dtype: dict[torch.dtype, list[torch.Tensor]], numel: int,
     """
     with torch.no_grad():
         rest = []
-        for dtype, tensors in per_dtype.items():
+        for dtype, tensors in _real_views(per_dtype).items():
             # (torch's CUDA kernel takes fp32 and fp16 only; bf16 gradients take the inf-norm there)
             if numel <= FUSED_CHECK_MAX_NUMEL and (dtype is not torch.bfloat16 or flag.device.type != "cuda"):
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _one(flag.device))
@@ -820,6 +821,43 @@ def check_tensors_(per_dtype: dict[torch.dtype, list[torch.Tensor]], numel: int,
         if rest:
             worst = [torch.stack(torch._foreach_norm(t, math.inf)).max().float() for t in rest]
             flag.add_(~torch.isfinite(worst[0] if len(worst) == 1 else torch.stack(worst).max()))
+
+
+def _real_views(per_dtype: dict[torch.dtype, list[torch.Tensor]]) -> dict[torch.dtype, list[torch.Tensor]]:
+    """Complex tensors (spectral and FFT models) as real views of the same storage: torch's fused kernels take real
+    dtypes only, and a complex number is inf/NaN where a part of it is."""
+    if not any(dtype.is_complex for dtype in per_dtype):
+        return per_dtype
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for dtype, tensors in per_dtype.items():
+        if dtype.is_complex:
+            tensors = [torch.view_as_real(t) for t in tensors]
+            dtype = tensors[0].dtype
+        out.setdefault(dtype, []).extend(tensors)
+    return out
+
+
+class _RealGradients:
+    """An optimizer's parameter groups as torch's ``_unscale_grads_`` reads them, with complex gradients replaced by
+    real views of the same storage (unscaling the view unscales the gradient)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = []
+        for group in optimizer.param_groups:
+            params = []
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None and grad.is_complex() and not grad.is_sparse:
+                    real = torch.view_as_real(param.detach())
+                    real.grad = torch.view_as_real(grad)
+                    param = real
+                params.append(param)
+            groups.append({"params": params})
+        self.param_groups = groups
+
+
+def _has_complex_grads(optimizer: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None and p.grad.is_complex() for g in optimizer.param_groups for p in g["params"])
 
 
 _MASKS: dict[torch.device, tuple[torch.Tensor, ...]] = {}

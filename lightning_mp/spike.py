@@ -292,6 +292,15 @@ def all_ranks_agree(flag: Tensor) -> Tensor:
     return flag
 
 
+def _l2_norm(tensors: list[Tensor]) -> Tensor:
+    """torch's ``get_total_norm(tensors, 2.0)`` (torch >= 2.6); before it, the same from the per-tensor norms."""
+    get_total_norm = getattr(torch.nn.utils, "get_total_norm", None)
+    if get_total_norm is not None:
+        return get_total_norm(tensors, 2.0, foreach=None).float()
+    with torch.no_grad():
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(t).float() for t in tensors]))
+
+
 def total_grad_norm(optimizer: Any, *, sharded: bool = False) -> Optional[Tensor]:
     """The L2 norm of every gradient ``optimizer`` holds (torch's ``get_total_norm``; shards summed over ranks when
     ``sharded``), on the device; ``None`` without gradients."""
@@ -309,7 +318,7 @@ def total_grad_norm(optimizer: Any, *, sharded: bool = False) -> Optional[Tensor
                 grads.append(grad)
     if not grads:
         return None
-    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=None).float()
+    norm = _l2_norm(grads)
     if sharded and torch.distributed.is_available() and torch.distributed.is_initialized():
         squares = norm.square()
         torch.distributed.all_reduce(squares, op=torch.distributed.ReduceOp.SUM)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import enum
+import inspect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -241,14 +242,15 @@ class OptimizerSteps:
     def _plan(self, state: _OptimizerState, model: LightningModule, closure: Callable[[], Any]) -> str:
         """Decide once what this optimizer's steps do (kept until the scaler or the optimizers change).
 
-        ``_CHECK_ONLY``: the common case of a single process in a check-only mode (fp32, tf32, bf16) with fp32
+        ``_CLOSURE``: the optimizer evaluates the closure itself (see :func:`evaluates_closure`), as Lightning hands
+        it over. ``_CHECK_ONLY``: the common case of a single process in a check-only mode (fp32, tf32, bf16) with fp32
         weights, no spike guard, FP8 or large-model early check: the read-only check, the host's one answer, the
         step or not (:meth:`_run_check_only`); ``_CHECK_ONLY_FUSED``: the same with a fused optimizer, which gets the
-        verdict as ``found_inf`` and skips on the device (no host sync). ``_CLOSURE``: the optimizer evaluates the
-        closure (LBFGS). ``_GENERAL``: everything else (:meth:`prepare` and :meth:`_step`).
+        verdict as ``found_inf`` and skips on the device (no host sync). ``_GENERAL``: everything else
+        (:meth:`prepare` and :meth:`_step`).
         """
         optimizer, scaler = state.optimizer, self.scaler
-        if isinstance(optimizer, LBFGS):
+        if evaluates_closure(optimizer):
             plan = _CLOSURE
         elif (
             scaler is not None
@@ -537,7 +539,7 @@ class OptimizerSteps:
     # ------------------------------------------------------------------ closure-taking optimizers
     @staticmethod
     def _takes_closure(optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any]) -> bool:
-        if isinstance(optimizer, LBFGS):
+        if evaluates_closure(optimizer):
             return True
         return not model.automatic_optimization and closure is not do_nothing_closure
 
@@ -571,7 +573,10 @@ class OptimizerSteps:
         stepped = [standin.get(id(p), p) for p in model_params]  # what the optimizer holds during the step
         if scaler is not None:  # what a skip restores
             saved = [t.detach().clone() for t in (*stepped, *model_params)]
-            saved_state = copy.deepcopy(optimizer.state_dict()["state"])
+            # (an optimizer that wraps another, SAM's base_optimizer, keeps the moments there)
+            inner = (o for o in vars(optimizer).values() if isinstance(o, Optimizer) and o is not optimizer)
+            owners = [optimizer, *inner]
+            saved_states = [copy.deepcopy(owner.state_dict()["state"]) for owner in owners]
         bad: list[Tensor] = []
 
         def evaluate() -> Any:
@@ -598,10 +603,11 @@ class OptimizerSteps:
             with torch.no_grad():
                 for t, v in zip((*stepped, *model_params), saved):
                     t.copy_(v)
-            full = optimizer.state_dict()
-            full["state"] = saved_state
-            with self._standing_in_records(records):
-                optimizer.load_state_dict(full)
+            for owner, saved_state in zip(owners, saved_states):
+                full = owner.state_dict()
+                full["state"] = saved_state
+                with self._standing_in_records(records):
+                    owner.load_state_dict(full)
             self.buffers.restore(optimizer, True, None)
         if records is not None:
             self.masters.write_back(records, skipped=skipped)
@@ -665,6 +671,20 @@ class OptimizerSteps:
             + (f", loss scale {scale:g}" if scale is not None else "")
             + f". Training stopped: {advice}. NonFiniteDetector names the module that produced it."
         )
+
+
+def evaluates_closure(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` evaluates the closure inside ``step`` itself, so it must be handed the closure as Lightning
+    hands it over: ``LBFGS``, an optimizer whose ``step`` requires a ``closure`` argument (SAM and its kin:
+    ``def step(self, closure)``), and the sharpness-aware family that wraps a ``base_optimizer``. torch's other
+    optimizers evaluate the closure once, first, which is the same as evaluating it before the step."""
+    if isinstance(optimizer, LBFGS) or hasattr(optimizer, "base_optimizer"):
+        return True
+    try:
+        parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def _release_grads(optimizer: Optimizer) -> None:

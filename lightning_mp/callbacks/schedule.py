@@ -144,6 +144,10 @@ class PrecisionSchedule(Callback):
                 resolve_mode(name, device)  # a mode this device cannot run fails now, not at step 500
             except (ValueError, NotImplementedError) as err:
                 raise ValueError(f"PrecisionSchedule: cannot switch to {name!r} on {device!r}: {err}") from err
+            try:  # one that training cannot switch to (true-half, fp8) fails now too
+                plugin.check_precision_switch(name)
+            except ValueError as err:
+                raise ValueError(f"PrecisionSchedule: {err}") from err
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
