@@ -87,7 +87,7 @@ class MPLightningCLI(LightningCLI):
     Example::
 
         # train.py
-        from lightning_mp.cli import MPLightningCLI
+        from lightning_mp.tools.cli import MPLightningCLI
         MPLightningCLI(MyModel, MyDataModule)
 
         # python train.py fit --config bf16.yaml

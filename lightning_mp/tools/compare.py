@@ -18,9 +18,9 @@ optionally followed by ``:<master weights>`` for the true-half modes (``bf16-tru
 ``MPPlugin("bf16-true", master_weights="kahan")``), or ``lightning:<precision>`` for Lightning's own plugin
 as a baseline (never recommended).
 
-How it measures (:mod:`lightning_mp.compare_engine`), how it decides (:mod:`lightning_mp.compare_stats`), what it
-reads from the flags and a config (:mod:`lightning_mp.compare_setup`) and what it prints
-(:mod:`lightning_mp.compare_report`) are documented in those modules.
+How it measures (:mod:`lightning_mp.tools.compare_engine`), how it decides (:mod:`lightning_mp.tools.compare_stats`),
+what it reads from the flags and a config (:mod:`lightning_mp.tools.compare_setup`) and what it prints
+(:mod:`lightning_mp.tools.compare_report`) are documented in those modules.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lightning_mp.compare_engine import Job, ModeResult, Schedule, _count_items, run_jobs
-from lightning_mp.compare_setup import BUILTIN_DATAMODULES, BUILTIN_MODELS, InputError, load_class  # noqa: F401
-from lightning_mp.compare_stats import MIN_SPEEDUP, Candidate, Decision, decide, safety_rank
+from lightning_mp.tools.compare_engine import Job, ModeResult, Schedule, _count_items, run_jobs
+from lightning_mp.tools.compare_setup import BUILTIN_DATAMODULES, BUILTIN_MODELS, InputError, load_class  # noqa: F401
+from lightning_mp.tools.compare_stats import MIN_SPEEDUP, Candidate, Decision, decide, safety_rank
 
 #: thresholds of the verdict and of the recommendation
 DRIFT_TOLERANCE = 0.05  # final loss within 5 % of fp32's
@@ -66,7 +66,7 @@ def assess(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
            max_skip_rate: float = MAX_SKIP_RATE, min_headroom: float = MIN_HEADROOM) -> None:
     """Fill each row's loss drift, memory share and speed-up against the reference (fp32), and turn 'ok' into
     'unstable' where drift, skips or (fp16 modes) the reference's activation headroom are out of bounds."""
-    from lightning_mp.compare_stats import speedup
+    from lightning_mp.tools.compare_stats import speedup
 
     reference = next((r for r in results if r.mode == "fp32" and r.ran and r.final_loss is not None), None)
     base = reference_row(results)
@@ -129,7 +129,7 @@ def candidates(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERAN
 
 def decide_results(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
                    max_skip_rate: float = MAX_SKIP_RATE, min_speedup: float = MIN_SPEEDUP) -> Decision:
-    """The decision of :func:`lightning_mp.compare_stats.decide` over the qualifying rows."""
+    """The decision of :func:`lightning_mp.tools.compare_stats.decide` over the qualifying rows."""
     rows = candidates(results, drift_tolerance, max_skip_rate)
     return decide([Candidate(r.mode, r.round_ms or [r.step_ms], r.times_ms, r.peak_mem_mib, r.step_ms) for r in rows],
                   min_speedup)
@@ -139,9 +139,9 @@ def choose(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE, 
            min_speedup: float = MIN_SPEEDUP) -> tuple[Optional[ModeResult], str]:
     """The recommended row and why: the numerically safest mode that is not clearly slower than the fastest.
 
-    See :mod:`lightning_mp.compare_stats` for the rule; rows must qualify as in :func:`candidates`.
+    See :mod:`lightning_mp.tools.compare_stats` for the rule; rows must qualify as in :func:`candidates`.
     """
-    from lightning_mp.compare_report import explain
+    from lightning_mp.tools.compare_report import explain
 
     decision = decide_results(results, drift_tolerance, max_skip_rate, min_speedup)
     if decision.mode is None:
@@ -151,7 +151,7 @@ def choose(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE, 
 
 
 def recommendation_text(best: Optional[ModeResult], reason: str, confidence: Optional[str] = None) -> str:
-    from lightning_mp.compare_report import recommendation_text as text
+    from lightning_mp.tools.compare_report import recommendation_text as text
 
     return text(best, reason, confidence)
 
@@ -227,7 +227,7 @@ def _unsupported_reason(mode: str, device_type: str) -> Optional[str]:
 class _PeakMemory:
     """Process-level peak memory (CUDA max allocated, or the CPU process's peak RSS) for callers that run one mode
     per process or per measurement (``benchmarks/run_all.py``). ``compare`` itself measures per mode instead (see
-    :mod:`lightning_mp.compare_engine`): the CPU's RSS only grows with run order."""
+    :mod:`lightning_mp.tools.compare_engine`): the CPU's RSS only grows with run order."""
 
     def __init__(self, device_type: str) -> None:
         self.device_type = device_type
@@ -433,7 +433,7 @@ def _main(args: argparse.Namespace, extras: list[str]) -> int:
             for message in (".*does not have many workers.*", ".*LeafSpec.*", ".*smaller than the logging interval.*",
                             ".*max_epochs=-1.*", ".*LightningCLI's args parameter.*", ".*seed set to.*"):
                 warnings.filterwarnings("ignore", message=message)
-            from lightning_mp.compare_setup import make_spec
+            from lightning_mp.tools.compare_setup import make_spec
 
             spec = make_spec(args.model, args.model_args, args.datamodule, args.datamodule_args, args.config, extras,
                              device_type)
@@ -494,9 +494,9 @@ def _load() -> Optional[tuple[float, int]]:
 
 
 def _compare(args: argparse.Namespace, spec: Any, device_type: str, modes: list[str], seed: int) -> int:
-    from lightning_mp import compare_report as report
-    from lightning_mp.compare_setup import find_batch_size, plugin_kwargs_for, set_batch_size
-    from lightning_mp.compare_stats import batch_probe
+    from lightning_mp.tools import compare_report as report
+    from lightning_mp.tools.compare_setup import find_batch_size, plugin_kwargs_for, set_batch_size
+    from lightning_mp.tools.compare_stats import batch_probe
 
     module, datamodule = _first_model(spec, seed)
     initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -8,7 +8,7 @@ Spread of one mode's step time
     is *noisy* when its IQR exceeds 10 % of its median (``Measurement.meets_confidence``'s threshold).
 
 Speed-up of one mode over another
-    :func:`speedup`: the modes take turns in every round (see :mod:`lightning_mp.compare_engine`), so each round
+    :func:`speedup`: the modes take turns in every round (see :mod:`lightning_mp.tools.compare_engine`), so each round
     gives one paired ratio ``time(other) / time(mode)`` of the two modes' median step times in that round; load that
     comes and goes hits both sides of a pair alike. The estimate is the median of the per-round ratios, the
     interval a 95 % percentile bootstrap of that median over rounds (2,000 resamples, fixed seed: the same numbers
