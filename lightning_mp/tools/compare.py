@@ -39,9 +39,28 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from lightning_mp.tools import compare_report as report
 from lightning_mp.tools.compare_engine import Job, ModeResult, Schedule, _count_items, run_jobs
-from lightning_mp.tools.compare_setup import BUILTIN_DATAMODULES, BUILTIN_MODELS, InputError, load_class  # noqa: F401
-from lightning_mp.tools.compare_stats import MIN_SPEEDUP, Candidate, Decision, decide, safety_rank
+from lightning_mp.tools.compare_setup import (  # noqa: F401 - BUILTIN_DATAMODULES: kept for earlier callers
+    BUILTIN_DATAMODULES,
+    BUILTIN_MODELS,
+    InputError,
+    find_batch_size,
+    load_class,
+    make_spec,
+    plugin_kwargs_for,
+    set_batch_size,
+)
+from lightning_mp.tools.compare_stats import (
+    MIN_SPEEDUP,
+    Candidate,
+    Decision,
+    batch_probe,
+    decide,
+    safety_rank,
+    speedup,
+    split_mode,
+)
 
 #: thresholds of the verdict and of the recommendation
 DRIFT_TOLERANCE = 0.05  # final loss within 5 % of fp32's
@@ -66,8 +85,6 @@ def assess(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
            max_skip_rate: float = MAX_SKIP_RATE, min_headroom: float = MIN_HEADROOM) -> None:
     """Fill each row's loss drift, memory share and speed-up against the reference (fp32), and turn 'ok' into
     'unstable' where drift, skips or (fp16 modes) the reference's activation headroom are out of bounds."""
-    from lightning_mp.tools.compare_stats import speedup
-
     reference = next((r for r in results if r.mode == "fp32" and r.ran and r.final_loss is not None), None)
     base = reference_row(results)
     headroom_ref = next((r for r in (reference, base) if r is not None and r.act_headroom_bits is not None), None)
@@ -141,29 +158,18 @@ def choose(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE, 
 
     See :mod:`lightning_mp.tools.compare_stats` for the rule; rows must qualify as in :func:`candidates`.
     """
-    from lightning_mp.tools.compare_report import explain
-
     decision = decide_results(results, drift_tolerance, max_skip_rate, min_speedup)
     if decision.mode is None:
         return None, "no mode ran within the thresholds; keep fp32 and look at the unstable rows"
     best = next(r for r in results if r.mode == decision.mode)
-    return best, explain(decision, results, None, noisy=any(r.noisy for r in results))
+    return best, report.explain(decision, results, None, noisy=any(r.noisy for r in results))
 
 
 def recommendation_text(best: Optional[ModeResult], reason: str, confidence: Optional[str] = None) -> str:
-    from lightning_mp.tools.compare_report import recommendation_text as text
-
-    return text(best, reason, confidence)
+    return report.recommendation_text(best, reason, confidence)
 
 
 # --------------------------------------------------------------------------------------------- mode names
-def split_mode(mode: str) -> tuple[str, Optional[str]]:
-    """A canonical MPPlugin mode to ``(precision, master_weights)``: ``"bf16-true:kahan"`` to
-    ``("bf16-true", "kahan")``, ``"bf16"`` to ``("bf16", None)`` (see :func:`parse_mode`)."""
-    precision, sep, master = mode.partition(":")
-    return precision, (master if sep else None)
-
-
 def parse_mode(value: str) -> str:
     """Check one mode of ``--modes`` and return its canonical spelling.
 
@@ -433,8 +439,6 @@ def _main(args: argparse.Namespace, extras: list[str]) -> int:
             for message in (".*does not have many workers.*", ".*LeafSpec.*", ".*smaller than the logging interval.*",
                             ".*max_epochs=-1.*", ".*LightningCLI's args parameter.*", ".*seed set to.*"):
                 warnings.filterwarnings("ignore", message=message)
-            from lightning_mp.tools.compare_setup import make_spec
-
             spec = make_spec(args.model, args.model_args, args.datamodule, args.datamodule_args, args.config, extras,
                              device_type)
             seed = args.seed if args.seed is not None else (spec.seed if spec.seed is not None else 0)
@@ -494,10 +498,6 @@ def _load() -> Optional[tuple[float, int]]:
 
 
 def _compare(args: argparse.Namespace, spec: Any, device_type: str, modes: list[str], seed: int) -> int:
-    from lightning_mp.tools import compare_report as report
-    from lightning_mp.tools.compare_setup import find_batch_size, plugin_kwargs_for, set_batch_size
-    from lightning_mp.tools.compare_stats import batch_probe
-
     module, datamodule = _first_model(spec, seed)
     initial_state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     batch = find_batch_size(module, datamodule)

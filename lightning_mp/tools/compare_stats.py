@@ -69,6 +69,13 @@ SAFETY_ORDER = ("fp32", "tf32", "bf16", "bf16-true", "fp16", "fp16-true", "fp8")
 MASTER_ORDER = ("fp32", "optimizer", "kahan", "stochastic", "none")
 
 
+def split_mode(mode: str) -> tuple[str, Optional[str]]:
+    """A canonical MPPlugin mode to ``(precision, master_weights)``: ``"bf16-true:kahan"`` to
+    ``("bf16-true", "kahan")``, ``"bf16"`` to ``("bf16", None)`` (see :func:`lightning_mp.tools.compare.parse_mode`)."""
+    precision, sep, master = mode.partition(":")
+    return precision, (master if sep else None)
+
+
 def safety_rank(mode: str) -> tuple[int, int]:
     """Sort key of a canonical mode name (``"bf16-true:kahan"``): lower is numerically safer. Unknown names
     (``lightning:...`` baselines) sort last."""
