@@ -207,7 +207,7 @@ def parse_mode(value: str) -> str:
 
 
 def default_modes(device_type: str) -> list[str]:
-    from lightning_mp import modes
+    import lightning_mp.modes as modes
 
     return [*modes.MODES, *[m for m in modes.PLANNED if m not in modes.MODES]]
 
