@@ -284,7 +284,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import lightning
 
     from lightning_mp.fp8 import check_fp8_support
-    from lightning_mp.fp8.runtime import te_version
+    from lightning_mp.fp8.support import te_version
 
     check_fp8_support("cuda", "delayed")  # a clear message instead of a failing row per mode
     quiet_lightning()

@@ -5,7 +5,7 @@ the other).
 Per model and mode: tokens (or images) per second, MFU against the measured bf16 ceiling, peak memory
 (``torch.cuda.max_memory_allocated``) and the loss after N steps, all from the same initial weights and batches
 (random tokens / random images, never zeros; the VLM trains on scikit-learn's digits, as in
-``examples/vlm_mini.py``). Modes run through ``lightning_mp.compare.run_mode`` (the engine of
+``examples/vlm_mini.py``). Modes run through ``lightning_mp.tools.compare.run_mode`` (the engine of
 ``python -m lightning_mp compare``), so a mode that is unsupported, runs out of memory or diverges is reported
 in its row; ``bf16-true:kahan`` etc. pick ``MPPlugin``'s ``master_weights`` (plain ``bf16-true``: fp32 masters).
 Writes a markdown table, JSON and a PNG chart into ``--out``.
@@ -45,7 +45,7 @@ sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(_HERE))  # the repository root: examples/ (the VLM)
 from bench_overhead import GPT, init_gpt_weights, lit_gpt  # noqa: E402  the core benchmark's model
 
-from lightning_mp.compare import ModeResult, _PeakMemory, parse_mode, run_mode  # noqa: E402
+from lightning_mp.tools.compare import ModeResult, _PeakMemory, parse_mode, run_mode  # noqa: E402
 
 DEFAULT_MODES = [
     "plain-bf16",

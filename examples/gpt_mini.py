@@ -41,7 +41,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 
 if TYPE_CHECKING:
-    from lightning_mp.cli import MPLightningCLI
+    from lightning_mp.tools.cli import MPLightningCLI
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
@@ -389,7 +389,7 @@ def adamw_warmup_cosine(module: LightningModule) -> dict:
 
 def main(args: Optional[list[str]] = None) -> MPLightningCLI:
     """``python -m examples.gpt_mini fit --config examples/configs/gpt_mini_bf16.yaml`` (``args`` for tests)."""
-    from lightning_mp.cli import MPLightningCLI  # needs jsonargparse: imported only for the CLI
+    from lightning_mp.tools.cli import MPLightningCLI  # needs jsonargparse: imported only for the CLI
 
     return MPLightningCLI(GPTMini, ByteTextDataModule, args=args, save_config_kwargs={"overwrite": True})
 

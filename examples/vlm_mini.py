@@ -35,7 +35,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 
 if TYPE_CHECKING:
-    from lightning_mp.cli import MPLightningCLI
+    from lightning_mp.tools.cli import MPLightningCLI
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
@@ -341,7 +341,7 @@ class VLMMini(LightningModule):
 
 def main(args: Optional[list[str]] = None) -> MPLightningCLI:
     """``python -m examples.vlm_mini fit --config examples/configs/vlm_mini_bf16.yaml`` (``args`` for tests)."""
-    from lightning_mp.cli import MPLightningCLI  # needs jsonargparse: imported only for the CLI
+    from lightning_mp.tools.cli import MPLightningCLI  # needs jsonargparse: imported only for the CLI
 
     return MPLightningCLI(VLMMini, DigitCaptionDataModule, args=args, save_config_kwargs={"overwrite": True})
 

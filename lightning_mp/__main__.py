@@ -50,10 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), file=sys.stderr)
         return 2
     if argv[0] == "compare":
-        from lightning_mp.compare import main as compare
+        from lightning_mp.tools.compare import main as compare
 
         return compare(argv[1:])
-    from lightning_mp.demo import main as demo
+    from lightning_mp.tools.demo import main as demo
 
     return demo(argv[1:])
 

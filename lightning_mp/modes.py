@@ -203,7 +203,7 @@ def resolve_mode(name: str, device_type: str) -> PrecisionMode:
         )
     mode = MODES[name]
     if name == "fp8":
-        from lightning_mp.fp8.runtime import FP8UnavailableError, fp8_device_problem
+        from lightning_mp.fp8.support import FP8UnavailableError, fp8_device_problem
 
         problem = fp8_device_problem(device_type)  # the GPU and TE; the recipe is checked when the plugin connects
         if problem:

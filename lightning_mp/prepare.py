@@ -24,7 +24,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
-from lightning_mp import distributed
+import lightning_mp.distributed as distributed
 from lightning_mp.fp8 import fp8_gemm_modules
 
 

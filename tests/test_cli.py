@@ -1,5 +1,5 @@
 """MPPlugin and the callbacks from a Lightning CLI YAML file and from the command line; print_config and
-resume round trips; the short errors of ``lightning_mp.cli.MPLightningCLI``."""
+resume round trips; the short errors of ``lightning_mp.tools.cli.MPLightningCLI``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from lightning_mp import MPPlugin  # noqa: E402
-from lightning_mp.cli import CLIConfigError, MPLightningCLI, cli_signature_problems, short_parse_error  # noqa: E402
+from lightning_mp.tools.cli import CLIConfigError, MPLightningCLI, cli_signature_problems, short_parse_error  # noqa: E402
 
 QUIET = {"accelerator": "cpu", "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
          "enable_model_summary": False}

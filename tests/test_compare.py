@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import TinyRegressor
 
-from lightning_mp.compare import ModeResult, assess, choose, main, recommendation_text
+from lightning_mp.tools.compare import ModeResult, assess, choose, main, recommendation_text
 
 TINY_LM = '{"width": 32, "layers": 1, "heads": 2, "seq_len": 16, "batch_size": 4}'
 
@@ -141,7 +141,7 @@ def test_lightning_native_baseline_row(capsys):
 
 
 def test_mode_spelling_with_master_weights():
-    from lightning_mp.compare import parse_mode, split_mode
+    from lightning_mp.tools.compare import parse_mode, split_mode
 
     assert parse_mode("bf16-true:kahan") == "bf16-true:kahan"
     assert parse_mode("BF16-TRUE:Stochastic") == "bf16-true:stochastic"

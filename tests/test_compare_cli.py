@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning.pytorch import LightningDataModule, LightningModule
-from lightning_mp.compare import build_parser, main
+from lightning_mp.tools.compare import build_parser, main
 
 TINY_LM = ["--model.width", "32", "--model.layers", "1", "--model.heads", "2", "--model.seq_len", "16",
            "--model.batch_size", "4"]
@@ -274,7 +274,7 @@ def test_batch_probe_calls_an_overhead_bound_model_too_small_to_matter(capsys, t
 
 # --------------------------------------------------------------------------------------------- the engine
 def test_modes_take_turns_and_draw_what_they_would_draw_alone():
-    from lightning_mp.compare_engine import Job, Schedule, run_jobs
+    from lightning_mp.tools.compare_engine import Job, Schedule, run_jobs
 
     build = lambda: (DropoutNet(), None)  # noqa: E731
     torch.manual_seed(0)
@@ -296,7 +296,7 @@ def test_modes_take_turns_and_draw_what_they_would_draw_alone():
 
 
 def test_run_mode_runs_one_mode_alone():
-    from lightning_mp.compare import run_mode
+    from lightning_mp.tools.compare import run_mode
 
     result = run_mode("bf16", lambda: TinyRegressor(), None, 6, "cpu", warmup=2)
     assert result.status == "ok" and result.steps == 6 and result.step_ms > 0 and len(result.losses) == 6

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from lightning_mp.compare import main
+from lightning_mp.tools.compare import main
 
 pytestmark = [
     pytest.mark.gpu,

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from lightning_mp.compare_stats import (
+from lightning_mp.tools.compare_stats import (
     Candidate,
     batch_probe,
     decide,

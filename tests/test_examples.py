@@ -22,7 +22,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # `examples` is a package at the repository root, not an installed one
 
 from lightning_mp import MPPlugin  # noqa: E402
-from lightning_mp.cli import cli_signature_problems  # noqa: E402
+from lightning_mp.tools.cli import cli_signature_problems  # noqa: E402
 
 CONFIGS = ROOT / "examples" / "configs"
 MODES = ("fp32", "bf16", "fp16", "bf16-true", "fp8")

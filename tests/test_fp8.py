@@ -36,7 +36,8 @@ from lightning_mp.fp8 import (
     te_shape_rule,
 )
 from lightning_mp.fp8.convert import apply_weights_dtype
-from lightning_mp.fp8.runtime import fit_amax_history, install_checkpoint_hooks, recipe_spec, scaling_state_compat
+from lightning_mp.fp8.runtime import fit_amax_history, install_checkpoint_hooks, scaling_state_compat
+from lightning_mp.fp8.support import recipe_spec
 
 
 # --------------------------------------------------------------------------------------------- stand-in TE
@@ -526,7 +527,7 @@ def test_convert_on_cpu_fails_before_touching_the_model():
 
 @pytest.mark.skipif(te_installed(), reason="Transformer Engine is installed here")
 def test_import_te_names_the_install_command():
-    from lightning_mp.fp8.runtime import import_te
+    from lightning_mp.fp8.support import import_te
 
     with pytest.raises(FP8UnavailableError, match=r"pip install lightning-mp\[fp8\]"):
         import_te()

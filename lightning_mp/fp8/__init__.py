@@ -23,18 +23,20 @@ from lightning_mp.fp8.filters import (
 )
 from lightning_mp.fp8.runtime import (
     FP8Training,
-    FP8UnavailableError,
     MicrobatchWeightCache,
-    build_recipe,
     fp8_gemm_modules,
-    check_fp8_support,
-    fp8_device_problem,
     fp8_scaling_state,
-    fp8_support_problem,
     load_fp8_scaling_state,
-    te_installed,
 )
 from lightning_mp.fp8.sentinel import SaturationSentinel
+from lightning_mp.fp8.support import (
+    FP8UnavailableError,
+    build_recipe,
+    check_fp8_support,
+    fp8_device_problem,
+    fp8_support_problem,
+    te_installed,
+)
 
 __all__ = [
     "AUTO_MIN_FEATURES",

@@ -26,6 +26,7 @@ from torch import nn
 from lightning_mp.fp8.config import FP8Config
 from lightning_mp.fp8.filters import ModuleFilter, ModuleFilterFn
 from lightning_mp.fp8.primary import fit_delayed_scale, is_quantized, remember_original
+from lightning_mp.fp8.support import build_recipe, import_te
 from lightning_mp.guards import fp32_guard_of
 
 log = logging.getLogger(__name__)
@@ -186,15 +187,11 @@ def convert_to_te(
     """
     config = config if config is not None else FP8Config()
     if te is None:
-        from lightning_mp.fp8.runtime import import_te
-
         te = import_te()
     keep = ModuleFilter(module, config, module_filter_fn)
     dtype = WEIGHT_DTYPES[config.weights]
     report = ConversionReport(weights=config.weights)
     if config.weights == "fp8" and recipe is None:
-        from lightning_mp.fp8.runtime import build_recipe
-
         recipe = build_recipe(config)
     fp8_recipe = recipe if config.weights == "fp8" else None
 

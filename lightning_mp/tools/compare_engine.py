@@ -15,7 +15,7 @@ Interleaving
     So the numerics (losses, skipped steps, loss scale, headroom) come from an ordinary ``steps``-step run of each
     mode, and the timing from the same steps, in rounds whose pairs of modes ran seconds apart: load that comes and
     goes hits every mode of a round alike. Per round, each mode's median step time is kept; the decision compares
-    modes by their per-round ratios (:mod:`lightning_mp.compare_stats`).
+    modes by their per-round ratios (:mod:`lightning_mp.tools.compare_stats`).
 
     A step is timed from ``on_train_batch_start`` of its first micro-batch to ``on_train_batch_end`` of the batch
     that stepped the optimizer: forward, backward, unscale/check and optimizer step, under gradient accumulation
@@ -674,7 +674,7 @@ def _quiet_logger() -> Any:
 
 
 def _summarize(p: _Participant, schedule: Schedule, device_type: str) -> None:
-    from lightning_mp.compare_stats import spread
+    from lightning_mp.tools.compare_stats import spread
 
     result = p.result
     n_rounds = len(schedule.per_round())

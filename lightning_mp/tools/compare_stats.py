@@ -8,7 +8,7 @@ Spread of one mode's step time
     is *noisy* when its IQR exceeds 10 % of its median (``Measurement.meets_confidence``'s threshold).
 
 Speed-up of one mode over another
-    :func:`speedup`: the modes take turns in every round (see :mod:`lightning_mp.compare_engine`), so each round
+    :func:`speedup`: the modes take turns in every round (see :mod:`lightning_mp.tools.compare_engine`), so each round
     gives one paired ratio ``time(other) / time(mode)`` of the two modes' median step times in that round; load that
     comes and goes hits both sides of a pair alike. The estimate is the median of the per-round ratios, the
     interval a 95 % percentile bootstrap of that median over rounds (2,000 resamples, fixed seed: the same numbers
@@ -67,6 +67,13 @@ CONFIDENCE = 0.95
 SAFETY_ORDER = ("fp32", "tf32", "bf16", "bf16-true", "fp16", "fp16-true", "fp8")
 #: within a true-half mode: fp32 master weights (the default), the optimizer's own, compensated, stochastic, none
 MASTER_ORDER = ("fp32", "optimizer", "kahan", "stochastic", "none")
+
+
+def split_mode(mode: str) -> tuple[str, Optional[str]]:
+    """A canonical MPPlugin mode to ``(precision, master_weights)``: ``"bf16-true:kahan"`` to
+    ``("bf16-true", "kahan")``, ``"bf16"`` to ``("bf16", None)`` (see :func:`lightning_mp.tools.compare.parse_mode`)."""
+    precision, sep, master = mode.partition(":")
+    return precision, (master if sep else None)
 
 
 def safety_rank(mode: str) -> tuple[int, int]:

@@ -11,8 +11,8 @@ import math
 import textwrap
 from typing import Any, Optional, Sequence
 
-from lightning_mp.compare_engine import ModeResult
-from lightning_mp.compare_stats import Decision, Probe
+from lightning_mp.tools.compare_engine import ModeResult
+from lightning_mp.tools.compare_stats import Decision, Probe, safety_rank, split_mode
 
 WIDTH = 118
 FP16_MAX = 65504.0
@@ -169,8 +169,6 @@ def recommendation_text(best: Optional[ModeResult], reason: str, confidence: Opt
     """The recommendation, its reason, and the lines to paste (Python and YAML)."""
     if best is None:
         return wrap(f"Recommendation: none — {reason}.")
-    from lightning_mp.compare import split_mode
-
     precision, master = split_mode(best.mode)
     master_arg = "" if master is None else f', master_weights="{master}"'
     head = f"Recommendation: {best.mode}" + (f" (confidence: {confidence})" if confidence else "")
@@ -261,8 +259,6 @@ def _join(names: Sequence[str]) -> str:
 
 
 def _rank(mode: str) -> tuple[int, int]:
-    from lightning_mp.compare_stats import safety_rank
-
     return safety_rank(mode)
 
 

@@ -53,7 +53,7 @@ SINGLE_DEVICE_STRATEGIES = ("auto", "single_device", None)
 MODE_PLUGIN_ARGS = ("precision", "device", "scaler")
 
 BUILTIN_MODELS = {
-    "gpt-mini": "lightning_mp.demo:TinyByteLM",
+    "gpt-mini": "lightning_mp.tools.demo:TinyByteLM",
     # the repository's examples (run from the repository root)
     "examples.gpt_mini": "examples.gpt_mini:GPTMini",
     "examples.vlm_mini": "examples.vlm_mini:VLMMini",
@@ -434,7 +434,7 @@ def _spec_from_config(path: str, model: Optional[str], model_json: dict[str, Any
     seed = cli.config.get("seed_everything")
 
     def build() -> tuple[Any, Any]:
-        from lightning_mp.cli import CLIConfigError
+        from lightning_mp.tools.cli import CLIConfigError
 
         try:
             cli.instantiate_classes()
@@ -475,7 +475,7 @@ def _build_cli(model_cls: Any, subclass_model: bool, dm_cls: Any, subclass_data:
                                      " 'jsonargparse[signatures]'") from None
     from lightning.pytorch import LightningDataModule, LightningModule
 
-    from lightning_mp.cli import CLIConfigError, MPLightningCLI
+    from lightning_mp.tools.cli import CLIConfigError, MPLightningCLI
 
     class CompareCLI(MPLightningCLI):
         """Parses and builds the model and the data; each mode builds its own Trainer."""
