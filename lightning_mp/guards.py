@@ -413,8 +413,9 @@ class _UpcastLayerNorm(torch.autograd.Function):
         return out.to(x.dtype)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: Tensor) -> tuple:
+        # differentiable ops only: a gradient penalty (WGAN-GP, R1) differentiates this backward again, through
+        # layer_norm's own double-backward formula
         x, weight, bias, mean, rstd = ctx.saved_tensors
         needs = ctx.needs_input_grad
         mask = [needs[0], weight is not None and needs[1], bias is not None and needs[2]]
@@ -428,6 +429,8 @@ def _fused_layer_norm_forward(self: nn.LayerNorm, input: Tensor) -> Tensor:
     """A guarded LayerNorm on a 16-bit input with fp32 weights, outside autocast (its guard's pre-hook chose this):
     the compiled fp32 kernel for large inputs on CUDA, else :class:`_UpcastLayerNorm`."""
     shape = tuple(self.normalized_shape)
+    if _functorch_active():  # torch.func transforms (vmap, grad): the composite ops, which they all support
+        return _layer_norm_fp32(input, self.weight, self.bias, self.eps, shape)
     if input.numel() < COMPILED_LAYER_NORM_MIN_NUMEL or not fused_layer_norm_available(input):
         return _UpcastLayerNorm.apply(input, self.weight, self.bias, self.eps, shape)
     try:
@@ -518,13 +521,21 @@ def _save_originals(upcasts: dict[int, tuple[Tensor, int, Tensor, int]]) -> tupl
 
 def _saving_for_backward() -> bool:
     """Whether the saved-activation trick applies here: autograd records (grad on, not inference mode), eager
-    (not dynamo tracing) and no other saved-tensor hooks in force."""
+    (not dynamo tracing), no torch.func transform (they refuse saved-tensor hooks) and no other saved-tensor hooks
+    in force."""
     return (
         not _compiling()  # first: dynamo does not trace is_inference_mode_enabled
         and torch.is_grad_enabled()
         and not torch.is_inference_mode_enabled()
+        and not _functorch_active()
         and not _saved_tensor_hooks_active()
     )
+
+
+def _functorch_active() -> bool:
+    """Whether a torch.func transform (vmap, grad, jacrev, ...) is running."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
 
 
 def _saved_tensor_hooks_active() -> bool:
