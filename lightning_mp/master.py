@@ -339,6 +339,11 @@ class MasterWeights:
         if dst:
             torch._foreach_add_(dst, src)
 
+    def drop_sums(self) -> None:
+        """Forget the fp32 sums carried so far (a window that never stepped: Lightning zeroed its gradients)."""
+        for entry in self._entries.values():
+            entry.acc = None
+
     def pending_sums(self) -> list[Tensor]:
         """The fp32 sums carried so far (to be reduced across ranks under DDP's ``no_sync``)."""
         return [e.acc for e in self._entries.values() if e.acc is not None]

@@ -162,6 +162,19 @@ class OptimizerSteps:
         self.end_batch()
         self._overlap.remove()
 
+    def _window_starts(self) -> bool:
+        """Whether this training batch is the first of an accumulation window (automatic optimization): Lightning
+        zeroes the gradients there (``batch_idx % accumulate_grad_batches == 0``)."""
+        trainer, module = self._trainer, self._module
+        if trainer is None or module is None or not module.automatic_optimization:
+            return False
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        batch_idx = getattr(loop, "batch_idx", None)
+        return isinstance(batch_idx, int) and batch_idx % max(1, self._accumulate()) == 0
+
+    def _accumulate(self) -> int:
+        return getattr(self._trainer, "accumulate_grad_batches", 1)
+
     def _accumulating(self) -> bool:
         # read each time: GradientAccumulationScheduler changes it during training
         return getattr(self._trainer, "accumulate_grad_batches", 1) > 1
@@ -175,7 +188,17 @@ class OptimizerSteps:
 
     # ------------------------------------------------------------------ around forward and backward
     def begin_batch(self, module: Optional[nn.Module], optimizers: Iterable[Optimizer]) -> None:
-        """A training step starts: snapshot the buffers its forward passes may change (once per window)."""
+        """A training step starts: snapshot the buffers its forward passes may change (once per window).
+
+        At the first batch of an accumulation window, where Lightning zeroes the gradients, what an earlier window
+        left behind goes too: a window cut short (``on_train_batch_start`` returning -1, the epoch's end) never
+        stepped, and its fp32 gradient sums, loss sum and buffer snapshot must not reach the next step."""
+        if self._window_starts():
+            if self.masters is not None:
+                self.masters.drop_sums()
+                self._sums.reset()
+            self._loss = None
+            self.buffers.drop()
         if self.scaler is not None and module is not None and not self.buffers.taken:
             self.buffers.take(module, optimizers)
 
