@@ -13,8 +13,7 @@ from torch import Tensor
 
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.scaling import _is_dtensor
-
-REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from lightning_mp.settings import REDUCE_DTYPES
 
 
 def world_size() -> int:

@@ -62,8 +62,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mp._host import HostCopy
 from lightning_mp.scaling import check_tensors_
+from lightning_mp.settings import parse_master_weights
 
-MASTER_WEIGHT_KINDS: tuple[str, ...] = ("fp32", "kahan", "stochastic", "none", "optimizer")
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 #: the stochastic-rounding generator's seed: the same on every rank, so data-parallel replicas round alike
@@ -71,24 +71,6 @@ STOCHASTIC_ROUNDING_SEED = 0x5EED
 
 #: fp32 values of parameters cast to half by :func:`cast_module_`, with the stamp the cast left: param -> (fp32, stamp)
 _FP32_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def parse_master_weights(value: object) -> str:
-    """Check a ``master_weights`` value; ``True``/``False`` are short for ``"fp32"``/``"none"``.
-
-    Raises:
-        ValueError: naming the value and the accepted ones.
-    """
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):  # the command line passes strings
-        value = value.strip().lower() == "true"
-    if isinstance(value, bool):
-        return "fp32" if value else "none"
-    if isinstance(value, str) and value.strip().lower() in MASTER_WEIGHT_KINDS:
-        return value.strip().lower()
-    raise ValueError(
-        f"master_weights={value!r} is invalid. Accepted values: {', '.join(repr(k) for k in MASTER_WEIGHT_KINDS)},"
-        " true (= 'fp32'), false (= 'none'), or null ('fp32' in the true-half modes)."
-    )
 
 
 def stamp(param: Tensor) -> tuple[int, int]:

@@ -21,7 +21,6 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, P
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.optim import Optimizer
@@ -30,14 +29,14 @@ from typing_extensions import override
 import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import lightning_scaler_state, load_plugin_state, plugin_state
 from lightning_mp.fp8 import FP8Config
-from lightning_mp.guards import FP32GuardSpec, guard_for_run
-from lightning_mp.master import parse_master_weights
-from lightning_mp.modes import PrecisionMode, parse_precision, uses_fp8_settings
+from lightning_mp.guards import guard_for_run
+from lightning_mp.modes import PrecisionMode
+from lightning_mp.options import announce, describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
-from lightning_mp.options import SCALER_DEFAULTS, announce, check_flags, check_options, describe, plugin_compute_dtype
 from lightning_mp.run_precision import RunPrecision
 from lightning_mp.schedulers import SchedulerHold
-from lightning_mp.spike import DEFAULT_WINDOW, make_spike_guard
+from lightning_mp.settings import DEFAULTS, MPSettings
+from lightning_mp.spike import SpikeGuard
 from lightning_mp.stats import StepStats
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
@@ -76,61 +75,49 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
             parameters in for compute (``"fp32"``/None, ``"bf16"``, ``"fp16"``).
         spike_sigma, spike_window: skip, as an inf/NaN step, a step whose loss or gradient norm exceeds mean +
             ``spike_sigma`` std of the last ``spike_window`` clean steps (off by default; :mod:`lightning_mp.spike`).
+
+    The arguments become one frozen :class:`~lightning_mp.settings.MPSettings` (``plugin.settings``), checked once,
+    here: every bad value raises before training. The defaults are :data:`lightning_mp.settings.DEFAULTS`.
     """
 
     def __init__(
         self,
-        precision: str = "bf16",
+        precision: str = DEFAULTS["precision"],
         device: Optional[str] = None,
         scaler: Optional[torch.amp.GradScaler] = None,
         *,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = True,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
+        init_scale: float = DEFAULTS["init_scale"],
+        growth_factor: float = DEFAULTS["growth_factor"],
+        backoff_factor: float = DEFAULTS["backoff_factor"],
+        growth_interval: int = DEFAULTS["growth_interval"],
+        hysteresis: int = DEFAULTS["hysteresis"],
+        consecutive_hysteresis: bool = DEFAULTS["consecutive_hysteresis"],
+        min_scale: float = DEFAULTS["min_scale"],
+        max_scale: float = DEFAULTS["max_scale"],
         loss_scale: Optional[float] = None,
-        skip_nonfinite: bool = True,
-        max_consecutive_skips: Optional[int] = 100,
-        hold_schedulers_on_skip: bool = True,
+        skip_nonfinite: bool = DEFAULTS["skip_nonfinite"],
+        max_consecutive_skips: Optional[int] = DEFAULTS["max_consecutive_skips"],
+        hold_schedulers_on_skip: bool = DEFAULTS["hold_schedulers_on_skip"],
         tf32: Optional[bool] = None,
-        release_grads_after_step: bool = True,
+        release_grads_after_step: bool = DEFAULTS["release_grads_after_step"],
         fp32_modules: Optional[list[str]] = None,
         master_weights: Optional[Union[str, bool]] = None,
         fp8: Optional[Union[FP8Config, dict]] = None,
         reduce_dtype: Optional[str] = None,
         fsdp_param_dtype: Optional[str] = None,
         spike_sigma: Optional[float] = None,
-        spike_window: int = DEFAULT_WINDOW,
+        spike_window: int = DEFAULTS["spike_window"],
     ) -> None:
         # not MixedPrecision.__init__: it needs the device up front and knows two modes only
-        arguments = locals()
-        scaler_kwargs = {name: arguments[name] for name in SCALER_DEFAULTS}  # init_scale ... loss_scale
-        check_flags(skip_nonfinite=skip_nonfinite, hold_schedulers_on_skip=hold_schedulers_on_skip,
-                    release_grads_after_step=release_grads_after_step, consecutive_hysteresis=consecutive_hysteresis)
-        check_options(loss_scale=loss_scale, max_consecutive_skips=max_consecutive_skips, tf32=tf32,
-                      reduce_dtype=reduce_dtype, fsdp_param_dtype=fsdp_param_dtype, device=device,
-                      scaler_kwargs=scaler_kwargs)  # fmt: skip
-        self._spike = make_spike_guard(spike_sigma, spike_window, skip_nonfinite)
-        self.spike_sigma, self.spike_window = spike_sigma, spike_window
-        requested = parse_precision(precision)
-        if fp8 is not None and not uses_fp8_settings(requested):
-            rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={requested!r}; they apply to 'fp8'.")
-        self.max_consecutive_skips, self.hold_schedulers_on_skip = max_consecutive_skips, hold_schedulers_on_skip
-        self.release_grads_after_step = release_grads_after_step
-        self.fp32_guards = FP32GuardSpec.from_arg(fp32_modules)
-        self.reduce_dtype, self.fsdp_param_dtype = reduce_dtype, fsdp_param_dtype
-        self.fp8_config = FP8Config.from_value(fp8)  # validated now; TE is imported at set-up only
+        arguments = {name: value for name, value in locals().items() if name != "self"}  # (first: the arguments alone)
+        self._settings = settings = MPSettings.from_arguments(**arguments)  # every bad value raises here
+        skips = settings.skips
+        self._spike = None if skips.spike_sigma is None else SpikeGuard(skips.spike_sigma, skips.spike_window)
         self._patches = Patches()  # every change to objects we do not own, undone at teardown (lightning_mp.patches)
-        self._weights = MasterWeightsSetup(None if master_weights is None else parse_master_weights(master_weights))
+        self._weights = MasterWeightsSetup(settings.master_weights)
         self._run = RunPrecision(
-            requested, scaler_kwargs, device=device or ("cuda" if torch.cuda.is_available() else "cpu"),
-            given_scaler=scaler, skip_nonfinite=skip_nonfinite, max_consecutive_skips=max_consecutive_skips, tf32=tf32,
-            fp8_config=self.fp8_config, fsdp_param_dtype=fsdp_param_dtype, weights=self._weights,
-            patches=self._patches,
+            settings, device=settings.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            weights=self._weights, patches=self._patches,
         )  # fmt: skip
         self.stats = StepStats(self._run.scaler, spike=self._spike)
         self._steps: Optional[OptimizerSteps] = None
@@ -153,6 +140,18 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def check_precision_switch(self, precision: str) -> None:
         """Raise ``ValueError`` now if :meth:`set_precision` could not switch to ``precision`` during training."""
         self._run.check_switch(precision)
+
+    # ------------------------------------------------------------------ the settings (read-only)
+    settings = property(lambda self: self._settings, doc="What was asked for, checked: :class:`MPSettings`.")
+    fp32_guards = property(lambda self: self.settings.fp32_modules, doc="The FP32 guards (``fp32_modules``, parsed).")
+    fp8_config = property(lambda self: self.settings.fp8, doc="The fp8 settings (``fp8``, an ``FP8Config``).")
+    max_consecutive_skips = property(lambda self: self.settings.skips.max_consecutive_skips)
+    hold_schedulers_on_skip = property(lambda self: self.settings.skips.hold_schedulers_on_skip)
+    release_grads_after_step = property(lambda self: self.settings.skips.release_grads_after_step)
+    spike_sigma = property(lambda self: self.settings.skips.spike_sigma)
+    spike_window = property(lambda self: self.settings.skips.spike_window)
+    reduce_dtype = property(lambda self: self.settings.distributed.reduce_dtype)
+    fsdp_param_dtype = property(lambda self: self.settings.distributed.fsdp_param_dtype)
 
     def set_precision(self, precision: str) -> PrecisionMode:
         """Switch among fp32/tf32/bf16/fp16 between steps (``PrecisionSchedule``); counters and the scale carry over."""

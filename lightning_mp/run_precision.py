@@ -10,10 +10,10 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_mp.distributed import REDUCE_DTYPES, sharded_before_setup
-from lightning_mp.fp8 import FP8Config, FP8Training, fp8_gemm_modules
+from lightning_mp.distributed import sharded_before_setup
+from lightning_mp.fp8 import FP8Training, fp8_gemm_modules
 from lightning_mp.modes import (
     AUTO,
     MODES,
@@ -23,57 +23,39 @@ from lightning_mp.modes import (
     provisional_lightning_precision,
     resolve_mode,
 )
-from lightning_mp.options import changed_scaler_arguments, make_scaler
 from lightning_mp.patches import Patches
-from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
+from lightning_mp.settings import LossScaleSettings, MPSettings
 from lightning_mp.true_half import MasterWeightsSetup
 
 
 class RunPrecision:
     """Mode, scaler, TF32 and FP8 of one plugin; the scaler's state carries over when the mode changes.
 
+    The settings were checked when they were built (for a named mode, against that mode); a mode chosen later
+    (``auto`` at set-up, a switch between steps) is checked with :meth:`MPSettings.check_mode` before it is set.
+
     Example::
 
-        run = RunPrecision("fp16", scaler_kwargs, skip_nonfinite=True, ...)
+        run = RunPrecision(MPSettings.from_arguments(precision="fp16"), device="cpu", weights=MasterWeightsSetup(None))
         run.mode.name, run.scaler.get_scale()
     """
 
     def __init__(
-        self,
-        requested: str,
-        scaler_kwargs: dict[str, Any],
-        *,
-        device: str,
-        given_scaler: Optional[torch.amp.GradScaler],
-        skip_nonfinite: bool,
-        max_consecutive_skips: Optional[int],
-        tf32: Optional[bool],
-        fp8_config: FP8Config,
-        fsdp_param_dtype: Optional[str],
-        weights: MasterWeightsSetup,
-        patches: Optional[Patches] = None,
+        self, settings: MPSettings, *, device: str, weights: MasterWeightsSetup, patches: Optional[Patches] = None
     ) -> None:
-        self.requested = requested
+        self.settings = settings
+        self.requested = settings.precision
         self.patches = patches if patches is not None else Patches()  # TF32 flags, TE's amax reduction: undone here
-        self.scaler_kwargs = scaler_kwargs
         self.device = device
-        self.given_scaler = given_scaler
-        self.skip_nonfinite = skip_nonfinite
-        self.max_consecutive_skips = max_consecutive_skips
-        self.tf32 = tf32
-        self.fp8_config = fp8_config
-        self.fsdp_param_dtype = fsdp_param_dtype
         self.weights = weights
         self.mode: Optional[PrecisionMode] = None
         self.scaler: Optional[DynamicLossScaler] = None
         self.fp8: Optional[FP8Training] = None
         self.sharded = False  # under Lightning's FSDP strategy (picks the scaler class)
         self._tf32_saved: Optional[tuple[bool, bool]] = None
-        if requested == AUTO:
-            weights.check_argument(MODES[auto_choice(device)[0]])  # auto never picks true-half
-        else:
-            self.set_mode(MODES[requested])  # the hardware check waits for set-up, on the real device
-            self._check_arguments()
+        if self.requested != AUTO:
+            self.set_mode(MODES[self.requested])  # the hardware check waits for set-up, on the real device
 
     @property
     def lightning_precision(self) -> str:
@@ -86,10 +68,9 @@ class RunPrecision:
         return self.mode.name if self.mode is not None else self.requested
 
     def set_mode(self, mode: PrecisionMode) -> None:
-        self.weights.check_argument(mode)
-        _check_fsdp_param_dtype(mode, self.fsdp_param_dtype)
+        """Run in ``mode`` from now on (checked already), with a scaler of its own that keeps the last one's state."""
         if mode.fp8 and self.fp8 is None:
-            self.fp8 = FP8Training(self.fp8_config)
+            self.fp8 = FP8Training(self.settings.fp8)
         previous, self.mode = self.scaler, mode
         self.scaler = self._build_scaler(mode, previous)
 
@@ -100,32 +81,14 @@ class RunPrecision:
                 self.set_mode(self.mode)  # the scaler's class changes, its state carries over
 
     def _build_scaler(self, mode: PrecisionMode, previous: Optional[DynamicLossScaler]) -> Optional[DynamicLossScaler]:
-        if self.given_scaler is not None:
-            if not mode.needs_scaler:
-                raise MisconfigurationException(
-                    f"MPPlugin(precision={mode.name!r}) got a scaler, but this mode does not scale the loss; pass a"
-                    " scaler with precision='fp16' or 'fp16-true' only."
-                )
-            return DynamicLossScaler.adopt(self.given_scaler, sharded=self.sharded)
-        if not (mode.needs_scaler or self.skip_nonfinite):
+        if self.settings.scaler is not None:  # (a mode that does not scale the loss was refused by check_mode)
+            return DynamicLossScaler.adopt(self.settings.scaler, sharded=self.sharded)
+        if not (mode.needs_scaler or self.settings.skips.skip_nonfinite):
             return None
-        scaler = make_scaler(self.scaler_kwargs, self.device, scaling=mode.needs_scaler, sharded=self.sharded)
+        scaler = make_scaler(self.settings.scaling, self.device, scaling=mode.needs_scaler, sharded=self.sharded)
         if previous is not None and previous.initialized:
             scaler.load_state_dict(previous.state_dict())
         return scaler
-
-    def _check_arguments(self) -> None:
-        changed = changed_scaler_arguments(self.scaler_kwargs)
-        if changed and not self.mode.needs_scaler:
-            rank_zero_warn(
-                f"MPPlugin: {', '.join(changed)} set, but precision={self.mode.name!r} does not scale the loss;"
-                " loss-scaling arguments take effect with precision='fp16' or 'fp16-true'."
-            )
-        if not self.skip_nonfinite and not self.mode.needs_scaler and self.max_consecutive_skips not in (None, 100):
-            raise ValueError(
-                f"max_consecutive_skips={self.max_consecutive_skips!r} counts skipped steps, but skip_nonfinite=False"
-                f" skips none in precision={self.mode.name!r}. Drop one of the two."
-            )
 
     def connect(self, device: torch.device) -> None:
         """The Trainer's device is known: settle ``auto``, check the hardware, put the scaler there."""
@@ -133,9 +96,10 @@ class RunPrecision:
         if self.requested == AUTO:
             name, reason = auto_choice(self.device)
             if self.mode is None or self.mode.name != name:
-                self.set_mode(resolve_mode(name, self.device))
+                mode = resolve_mode(name, self.device)
+                self.settings.check_mode(mode)
+                self.set_mode(mode)
                 rank_zero_info(f"MPPlugin(precision='auto') chose {name!r} on {device}: {reason}.")
-                self._check_arguments()
         else:
             resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
             if self.scaler is not None and self.scaler.device_type != self.device:
@@ -197,6 +161,7 @@ class RunPrecision:
             return mode
         if started:
             self.check_switch(precision)
+        self.settings.check_mode(mode, switch=True)
         self.set_mode(mode)
         if self.scaler is not None:
             self.scaler.ensure_initialized(torch.device(self.device))
@@ -219,7 +184,8 @@ class RunPrecision:
             )
 
     def apply_tf32(self) -> None:
-        wanted = self.tf32 if self.tf32 is not None else self.mode.tf32
+        tf32 = self.settings.tf32
+        wanted = tf32 if tf32 is not None else self.mode.tf32
         if wanted is None:
             self.restore_tf32()  # a switch away from fp32/tf32 gives the flags back
             return
@@ -234,12 +200,8 @@ class RunPrecision:
             self._tf32_saved = None
 
 
-def _check_fsdp_param_dtype(mode: PrecisionMode, wanted: Optional[str]) -> None:
-    if wanted in (None, "fp32"):
-        return
-    if (mode.autocast_dtype or mode.param_dtype) is not REDUCE_DTYPES[wanted]:
-        raise ValueError(
-            f"fsdp_param_dtype={wanted!r} applies to precision={wanted!r} (FSDP gathers {wanted} weights for"
-            f" autocast to compute with), not to precision={mode.name!r}. Use fsdp_param_dtype='fp32' (or null)"
-            " with this mode."
-        )
+
+def make_scaler(settings: LossScaleSettings, device: str, *, scaling: bool, sharded: bool) -> DynamicLossScaler:
+    """The loss scaler the settings describe (``scaling=False``: the inf/NaN check alone; ``sharded``: FSDP's)."""
+    cls = ShardedDynamicLossScaler if sharded else DynamicLossScaler
+    return cls(device, **settings.scaler_arguments(), dynamic=settings.dynamic, scaling=scaling)

@@ -23,6 +23,15 @@ import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from lightning_mp.settings import (
+    DEFAULTS,
+    check_factors,
+    check_growth_interval,
+    check_int,
+    check_scale,
+    check_scaler_arguments,
+)
+
 
 try:
     from torch.distributed.tensor import DTensor as _DTensor
@@ -54,40 +63,6 @@ def _one(device: torch.device) -> torch.Tensor:
     if one is None:
         one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
     return one
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_scale(name: str, value: Any, *, smallest: float = _F32.tiny) -> float:
-    """A scale or scale bound: finite, > 0, at least ``smallest``, and no larger than float32 holds."""
-    if _is_number(value) and value > 0 and smallest <= value <= _F32.max:  # NaN fails every comparison
-        return float(value)
-    bounds = f"[{smallest!r}, {_F32.max!r}]" if smallest > 0 else f"(0, {_F32.max!r}]"
-    raise ValueError(
-        f"{name}={value!r} is invalid: it must be a finite number > 0 that a float32 tensor holds, in {bounds}."
-    )
-
-
-def _check_int(name: str, value: Any, low: int, high: int, what: str, *, allow_bool: bool = False) -> int:
-    """An integer in ``[low, high]``; an integral float (``3.0``, e.g. after a JSON round trip) counts as one."""
-    number = int(value) if isinstance(value, float) and value.is_integer() else value
-    if (isinstance(number, bool) and not allow_bool) or not isinstance(number, int) or not low <= number <= high:
-        raise ValueError(f"{name}={value!r} is invalid: it must be an integer >= {low} and <= {high} ({what}).")
-    return int(number)
-
-
-def _check_factors(growth_factor: Any, backoff_factor: Any) -> tuple[float, float]:
-    if not _is_number(growth_factor) or not 1 < growth_factor < math.inf:
-        raise ValueError(f"growth_factor={growth_factor!r} is invalid: it must be a finite number > 1 (e.g. 2.0).")
-    if not _is_number(backoff_factor) or not 0 < backoff_factor < 1:
-        raise ValueError(f"backoff_factor={backoff_factor!r} is invalid: it must lie in (0, 1) (e.g. 0.5).")
-    return float(growth_factor), float(backoff_factor)
-
-
-def _check_growth_interval(value: Any) -> int:
-    return _check_int("growth_interval", value, 1, _INT32.max, "the growth tracker is an int32 tensor; e.g. 2000")
 
 
 # ---------------------------------------------------------------------- the policy: when the scale moves
@@ -180,39 +155,28 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def __init__(
         self,
         device: str = "cuda",
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
+        init_scale: float = DEFAULTS["init_scale"],
+        growth_factor: float = DEFAULTS["growth_factor"],
+        backoff_factor: float = DEFAULTS["backoff_factor"],
+        growth_interval: int = DEFAULTS["growth_interval"],
         enabled: bool = True,
         *,
-        hysteresis: int = 1,
-        consecutive_hysteresis: bool = True,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
+        hysteresis: int = DEFAULTS["hysteresis"],
+        consecutive_hysteresis: bool = DEFAULTS["consecutive_hysteresis"],
+        min_scale: float = DEFAULTS["min_scale"],
+        max_scale: float = DEFAULTS["max_scale"],
         dynamic: bool = True,
         scaling: bool = True,
     ) -> None:
         if enabled:  # a disabled scaler ignores its settings, as torch's does
-            init_scale, min_scale, max_scale = (
-                _check_scale(name, value)
-                for name, value in (("init_scale", init_scale), ("min_scale", min_scale), ("max_scale", max_scale))
-            )
-            growth_factor, backoff_factor = _check_factors(growth_factor, backoff_factor)
-            growth_interval = _check_growth_interval(growth_interval)
-            hysteresis = _check_int(
-                "hysteresis", hysteresis, 1, _INT32.max,
-                "the hysteresis budget is an int32 tensor; 1 backs off on every overflow",
-            )
-            if min_scale > max_scale:
-                raise ValueError(
-                    f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}; use min_scale <= max_scale."
-                )
-            if scaling and not min_scale <= init_scale <= max_scale:
-                raise ValueError(
-                    f"init_scale={init_scale!r} lies outside [min_scale={min_scale!r}, max_scale={max_scale!r}];"
-                    " choose an init_scale between them."
-                )
+            checked = check_scaler_arguments(
+                init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+                growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+                scaling=scaling,
+            )  # fmt: skip
+            init_scale, min_scale, max_scale = checked["init_scale"], checked["min_scale"], checked["max_scale"]
+            growth_factor, backoff_factor = checked["growth_factor"], checked["backoff_factor"]
+            growth_interval, hysteresis = checked["growth_interval"], checked["hysteresis"]
         super().__init__(
             device,
             init_scale=init_scale if scaling else 1.0,
@@ -611,10 +575,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
             )
         torch_state = self._checked_torch_state(state_dict)
         counters = [
-            _check_int(key, state_dict.get(key, now), 0, high, "a count of steps", allow_bool=True)
+            check_int(key, state_dict.get(key, now), 0, high, "a count of steps", allow_bool=True)
             for key, now, high in zip(_COUNTERS, self._counters_now(), (_INT64_MAX,) * 3 + (1,))
         ]
-        tracker = _check_int(
+        tracker = check_int(
             "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", self.hysteresis), _INT32.min, _INT32.max,
             "an int32 tensor; below 0 after overflows past the budget is normal",
         )
@@ -631,13 +595,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
     @staticmethod
     def _checked_torch_state(state_dict: dict[str, Any]) -> dict[str, Any]:
         """GradScaler's five entries, checked, as plain floats and ints."""
-        growth_factor, backoff_factor = _check_factors(state_dict["growth_factor"], state_dict["backoff_factor"])
+        growth_factor, backoff_factor = check_factors(state_dict["growth_factor"], state_dict["backoff_factor"])
         return {
-            "scale": _check_scale("scale", state_dict["scale"], smallest=0.0),
+            "scale": check_scale("scale", state_dict["scale"], smallest=0.0),
             "growth_factor": growth_factor,
             "backoff_factor": backoff_factor,
-            "growth_interval": _check_growth_interval(state_dict["growth_interval"]),
-            "_growth_tracker": _check_int(
+            "growth_interval": check_growth_interval(state_dict["growth_interval"]),
+            "_growth_tracker": check_int(
                 "_growth_tracker", state_dict["_growth_tracker"], 0, _INT32.max,
                 "clean steps since the last growth, in an int32 tensor",
             ),

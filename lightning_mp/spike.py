@@ -22,59 +22,19 @@ optimizers stepped from one backward, is judged on the loss of that backward).
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Optional, Union
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
-#: the smallest ``spike_window``: the standard deviation of fewer values says little
+#: the smallest ``spike_window`` (``MPPlugin``'s options are checked in :mod:`lightning_mp.settings`): the standard
+#: deviation of fewer values says little
 MIN_WINDOW = 8
-#: ``MPPlugin``'s default ``spike_window`` (OLMo-core's)
-DEFAULT_WINDOW = 128
 #: a spike must also rise above the window's mean by this fraction of the largest value of its figure in the run's
 #: clean steps: once a model has converged (a loss near 0, quantized by half-precision outputs), the window's standard
 #: deviation is near 0 and steps that move by a rounding step would otherwise be "spikes" (and, since a skipped step
 #: changes nothing, the same step again and again, until the divergence stop)
 PEAK_FRACTION = 0.01
-
-
-def make_spike_guard(spike_sigma: Any, spike_window: Any, skip_nonfinite: bool) -> Optional["SpikeGuard"]:
-    """``MPPlugin``'s spike options checked (``ValueError`` naming the bad value and what is accepted), and the guard
-    they ask for (``None``: off)."""
-    check_spike_options(spike_sigma, spike_window)
-    if spike_sigma is None:
-        if spike_window != DEFAULT_WINDOW:
-            rank_zero_warn(
-                f"MPPlugin: spike_window={spike_window!r} set, but spike_sigma=None: the loss-spike guard is off; set"
-                " spike_sigma (e.g. 6.0) to turn it on."
-            )
-        return None
-    if not skip_nonfinite:
-        raise ValueError(
-            f"spike_sigma={spike_sigma!r} skips steps as the inf/NaN check does: it needs skip_nonfinite=True."
-        )
-    return SpikeGuard(spike_sigma, spike_window)
-
-
-def check_spike_options(spike_sigma: Any, spike_window: Any) -> None:
-    """Raise ``ValueError`` naming the bad value and what is accepted."""
-    if spike_sigma is not None and (
-        isinstance(spike_sigma, bool)
-        or not isinstance(spike_sigma, numbers.Real)
-        or not math.isfinite(spike_sigma)
-        or spike_sigma <= 0
-    ):
-        raise ValueError(
-            f"spike_sigma={spike_sigma!r} is invalid: use a finite number > 0 (e.g. 6.0: skip steps whose loss or"
-            " gradient norm is 6 standard deviations above the recent mean), or None to turn the guard off."
-        )
-    if isinstance(spike_window, bool) or not isinstance(spike_window, numbers.Integral) or spike_window < MIN_WINDOW:
-        raise ValueError(
-            f"spike_window={spike_window!r} is invalid: use an integer >= {MIN_WINDOW} (the number of recent"
-            " non-skipped steps whose mean and standard deviation the guard compares with; default 128)."
-        )
 
 
 class SpikeGuard:

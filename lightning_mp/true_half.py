@@ -34,7 +34,8 @@ def cast_weights_(module: nn.Module, mode: Optional[PrecisionMode], guarded: lis
 
 
 class MasterWeightsSetup:
-    """The ``master_weights`` option and the master weights it made (kept across ``fit`` calls of one plugin)."""
+    """The ``master_weights`` option (checked in :mod:`lightning_mp.settings`) and the master weights it made (kept
+    across ``fit`` calls of one plugin)."""
 
     def __init__(self, asked: Optional[str]) -> None:
         self.asked = asked
@@ -45,14 +46,6 @@ class MasterWeightsSetup:
         if mode is None or not mode.true_half:
             return None
         return self.asked or self.found or "fp32"
-
-    def check_argument(self, mode: PrecisionMode) -> None:
-        if self.asked is not None and not mode.true_half:
-            raise ValueError(
-                f"master_weights={self.asked!r} applies to half-precision weights, but precision={mode.name!r} keeps"
-                " fp32 weights (there is no master copy to keep). Use precision='bf16-true' or 'fp16-true', or leave"
-                " master_weights unset."
-            )
 
     def connect(
         self, mode: PrecisionMode, model: nn.Module, optimizers: list[Optimizer], *, fsdp: bool

@@ -522,8 +522,8 @@ class ThroughputMonitor(_LightningThroughputMonitor):
         if mode is None:
             return
         self.compute_dtype = compute_dtype(mode)
-        run = getattr(plugin, "_run", None)
-        tf32 = run.tf32 if run is not None and run.tf32 is not None else mode.tf32
+        asked = getattr(getattr(plugin, "settings", None), "tf32", None)  # MPPlugin(tf32=...); None: the mode's
+        tf32 = asked if asked is not None else mode.tf32
         self.available_flops = _available_flops(trainer.strategy.root_device, self.compute_dtype, tf32)
         for throughput in self._throughputs.values():
             throughput.available_flops = self.available_flops
