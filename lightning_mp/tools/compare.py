@@ -180,7 +180,7 @@ def parse_mode(value: str) -> str:
     Raises:
         ValueError: naming the bad value, the accepted ones and the fix.
     """
-    from lightning_mp.master import MASTER_WEIGHT_KINDS, parse_master_weights
+    from lightning_mp.settings import MASTER_WEIGHT_KINDS, parse_master_weights
     from lightning_mp.modes import MODES, parse_precision
 
     if value.startswith("lightning:"):
