@@ -296,7 +296,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             self.unscale_(optimizer)
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):  # (ShardedGradScaler's default)
         if not self.scaling:
             return self._check_grads_(optimizer, found_inf)
         # fp16 gradients are legal here: half-precision weights keep half gradients;
