@@ -1,5 +1,5 @@
 # The two commands of the README: `make compare` (the main job) and `make test` (the test suite).
-# Both create .venv and install everything on first use. `make lint` and `make dist` are what CI adds.
+# Both create .venv and install everything on first use. `make lint` (ruff, mypy) and `make dist` are what CI adds.
 PYTHON ?= python3
 VENV ?= .venv
 # The torch that .venv gets, installed before the package (whose `torch>=2.4` it then satisfies). Which build
@@ -45,9 +45,11 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu
 
-# ruff with pyproject.toml's [tool.ruff] settings (line length 120, as setup.cfg's flake8 section)
+# ruff with pyproject.toml's [tool.ruff] settings (line length 120, as setup.cfg's flake8 section), then mypy with
+# its [tool.mypy] settings (the package, lightning_mp/)
 lint: $(STAMP)
 	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 # the wheel and the sdist in dist/; then the unpacked sdist must collect exactly the tests this tree collects
 dist: $(STAMP)

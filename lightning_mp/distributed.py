@@ -3,7 +3,7 @@ the fp32 sums of accumulated true-half gradients reduced across ranks."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from lightning.pytorch import LightningModule
@@ -14,6 +14,9 @@ from torch import Tensor
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.scaling import _is_dtensor
 from lightning_mp.settings import REDUCE_DTYPES
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def world_size() -> int:
@@ -199,7 +202,7 @@ def clip_grad_norm(fsdp_root: Any, params: list[Tensor], clip_val: float) -> Ten
     if fsdp_root is not None:
         return fsdp_root.clip_grad_norm_(clip_val)
     norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
-    return norm.full_tensor() if _is_dtensor(norm) else norm
+    return cast("DTensor", norm).full_tensor() if _is_dtensor(norm) else norm
 
 
 def connect(

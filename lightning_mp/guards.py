@@ -369,12 +369,15 @@ def fp32_layer_norm(
 # of the fp32 sums, without the fp32 copies.
 _FUSED_LAYER_NORM: dict[str, Any] = {"fn": None, "failed": None}
 
+_has_triton: Callable[[], bool]
 try:
     from torch.utils._triton import has_triton as _has_triton  # cached by torch
 except ImportError:  # pragma: no cover - a torch without the helper
 
-    def _has_triton() -> bool:
+    def _no_triton() -> bool:
         return False
+
+    _has_triton = _no_triton
 
 
 def _layer_norm_fp32(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float, shape: tuple) -> Tensor:

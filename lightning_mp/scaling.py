@@ -17,7 +17,7 @@ import inspect
 import math
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
@@ -33,6 +33,7 @@ from lightning_mp.settings import (
 )
 
 
+_DTensor: Optional[type]
 try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # a torch built without distributed
@@ -280,13 +281,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
         scale of 1 (the sharded scaler keeps torch's path: it reduces the verdict over the process group there)."""
         if self.scaling or not self._enabled or self.sharded:
             return super().unscale_(optimizer)
-        self._check_scale_growth_tracker("unscale_")
+        scale = self._check_scale_growth_tracker("unscale_")[0]
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         state["found_inf_per_device"] = self._check_grads_(optimizer, found_inf)
         state["stage"] = OptState.UNSCALED
 
@@ -295,7 +296,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY:
             self.unscale_(optimizer)
 
-    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):  # type: ignore[override]
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):  # (ShardedGradScaler's default)
         if not self.scaling:
             return self._check_grads_(optimizer, found_inf)
         # fp16 gradients are legal here: half-precision weights keep half gradients;
@@ -368,7 +369,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Before a fused optimizer's step: find inf/NaN without unscaling (its kernel unscales), as torch does."""
         self._check_inf_per_device(optimizer)
 
-    def _maybe_opt_step(self, optimizer, optimizer_state, *args: Any, **kwargs: Any):  # type: ignore[override]
+    def _maybe_opt_step(self, optimizer, optimizer_state, *args: Any, **kwargs: Any):
         # torch pays its one host sync here; keep its answer so the step's outcome is known without another.
         found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
         self.last_skipped_host = found if self.last_skipped_host is None else (self.last_skipped_host or found)
@@ -376,15 +377,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
         """Hand the optimizer ``grad_scale`` and ``found_inf`` for its fused kernel, as ``GradScaler.step`` does."""
-        scale = self._scale
+        scale = cast(torch.Tensor, self._scale)  # step() checked that it is set
         found = [f.to(scale.device, non_blocking=True) for f in optimizer_state["found_inf_per_device"].values()]
         # one 0/1 flag (fused kernels skip on exactly 1; torch sums the devices' flags)
         many = len(found) > 1
-        optimizer.found_inf = torch.stack([f.reshape(()) for f in found]).amax() if many else found[0].reshape(())
+        optimizer.found_inf = (  # type: ignore[attr-defined]  # fused steps' protocol, set as torch's GradScaler does
+            torch.stack([f.reshape(()) for f in found]).amax() if many else found[0].reshape(())
+        )
         # gradients unscale_ already divided, or never scaled (check-only), need no scale; else the scale, times any
         # the user set
         user = getattr(optimizer, "grad_scale", None)
-        optimizer.grad_scale = (
+        optimizer.grad_scale = (  # type: ignore[attr-defined]  # as found_inf
             user
             if optimizer_state["stage"] is OptState.UNSCALED or not self.scaling
             else scale * (1 if user is None else user)
@@ -392,7 +395,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         try:
             return optimizer.step(*args, **kwargs)
         finally:
-            del optimizer.grad_scale, optimizer.found_inf
+            del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]  # as found_inf
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """``GradScaler.step``: unscale unless done, then step unless a gradient is inf/NaN.
@@ -408,7 +411,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return super().step(optimizer, *args, **kwargs)  # torch's deprecated contract: it passes itself
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._check_scale_growth_tracker("step")
+        scale = self._check_scale_growth_tracker("step")[0]
         if not any(s["stage"] is OptState.STEPPED for s in self._per_optimizer_states.values()):
             self.last_skipped_host = None  # the first step since update(): a fresh verdict
         state = self._per_optimizer_states[id(optimizer)]
@@ -421,7 +424,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 self.unscale_(optimizer)
         if not state["found_inf_per_device"]:
             # no parameter of this optimizer has a gradient: nothing to check and nothing would change
-            state["found_inf_per_device"] = {self._scale.device: torch.zeros((), device=self._scale.device)}
+            state["found_inf_per_device"] = {scale.device: torch.zeros((), device=scale.device)}
         if self.sync_across_ranks and not self.verdict_agrees_across_ranks:
             # a gradient poisoned after DDP's all-reduce exists on one rank only: every rank must skip with it.
             # The collective is enqueued on the device (no host sync).
@@ -640,8 +643,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
             # used as given (``trainer.scaler is scaler``, as with Lightning's MixedPrecision): the object becomes a
             # DynamicLossScaler in place (still a torch.amp.GradScaler), its settings and state kept, no floor or cap
             given.__class__ = DynamicLossScaler
-            given._adopted(floor, cap)
-            return given
+            cast(DynamicLossScaler, given)._adopted(floor, cap)
+            return cast(DynamicLossScaler, given)
         if not given.is_enabled():  # a disabled GradScaler keeps no settings: ours is disabled too
             return target(given._device, enabled=False)
         scale = given._init_scale if given._scale is None else float(given.get_scale())

@@ -45,7 +45,9 @@ class SchedulerHold:
         original = module.lr_scheduler_step
 
         def lr_scheduler_step(scheduler: Any, metric: Any = None) -> None:
-            if id(scheduler) in self._step_schedulers and self._skipped_for(getattr(scheduler, "optimizer", None)):
+            skipped_for = self._skipped_for
+            assert skipped_for is not None  # set by install() before wrapping, never unset
+            if id(scheduler) in self._step_schedulers and skipped_for(getattr(scheduler, "optimizer", None)):
                 return
             original(scheduler, metric)
 

@@ -77,9 +77,12 @@ class SpikeGuard:
                 self._total.fill_(loaded["spike_skips"])
                 self._streak = torch.tensor(loaded["spikes_in_a_row"], dtype=torch.int64, device=device)
         elif self._values.device != device:  # (moved to another device: the state follows)
+            assert self._count is not None and self._peak is not None and self._total is not None  # set with _values
+            assert self._streak is not None
             self._values, self._count, self._peak, self._total, self._streak = (
                 t.to(device) for t in (self._values, self._count, self._peak, self._total, self._streak)
             )
+        assert self._count is not None and self._peak is not None and self._streak is not None  # set with _values
         if index >= self._values.shape[0]:  # an optimizer not seen yet: its own empty window
             more = index + 1 - self._values.shape[0]
             self._values = torch.cat([self._values, self._values.new_zeros(more, 2, self.window)])
@@ -93,6 +96,7 @@ class SpikeGuard:
         ref = loss if loss is not None else grad_norm
         assert ref is not None
         self._ensure(ref.device, index)
+        assert self._values is not None and self._count is not None and self._peak is not None  # set by _ensure
         values, count = self._values[index], self._count[index]
         now = torch.stack([_figure(loss, ref), _figure(grad_norm, ref)])  # (2,), NaN where unknown
         n = count.clamp(max=self.window)
@@ -116,7 +120,10 @@ class SpikeGuard:
         """After the step of optimizer ``index``: a clean step's figures join its window (``skipped``: the step's
         outcome, a device flag or the host's answer); the spike counters move."""
         ref = loss if loss is not None else grad_norm
+        assert ref is not None  # a step with neither is not observed
         self._ensure(ref.device, index)
+        assert self._values is not None and self._count is not None and self._peak is not None  # set by _ensure
+        assert self._total is not None and self._streak is not None
         now = torch.stack([_figure(loss, ref), _figure(grad_norm, ref)])
         if isinstance(skipped, bool):
             clean = torch.isfinite(now).all() & (not skipped)
@@ -160,6 +167,8 @@ class SpikeGuard:
             values, counts, peak = self._loaded["values"], list(self._loaded["count"]), self._loaded["peak"]
             total, streaks = self._loaded["spike_skips"], list(self._loaded["spikes_in_a_row"])
         else:
+            assert self._count is not None and self._peak is not None and self._total is not None  # set with _values
+            assert self._streak is not None
             values, counts = self._values.detach().cpu().clone(), self._count.tolist()
             peak = self._peak.detach().cpu().clone()
             total, streaks = int(self._total.item()), self._streak.tolist()
@@ -178,7 +187,7 @@ class SpikeGuard:
         another length names the ``spike_window`` to resume with."""
         if not isinstance(state, dict):
             raise ValueError(f"The checkpoint's spike-guard state must be a dict, not {type(state).__name__}.")
-        values = state.get("values")
+        values: Any = state.get("values")  # checked below
         if isinstance(values, Tensor) and values.dim() == 2:
             values = values.unsqueeze(0)  # one optimizer's window
         shaped = isinstance(values, Tensor) and values.dim() == 3 and values.shape[0] >= 1 and values.shape[1] == 2
@@ -229,6 +238,7 @@ class SpikeGuard:
             self._loaded = loaded
         else:
             device = self._values.device
+            assert self._total is not None  # set with _values
             self._values = loaded["values"].to(device)
             self._count = torch.tensor(counts, dtype=torch.int64, device=device)
             self._peak = peak.to(device)

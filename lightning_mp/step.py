@@ -37,7 +37,7 @@ import inspect
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule
@@ -229,6 +229,7 @@ class OptimizerSteps:
             self._loss = loss if self._loss is None else self._loss + loss
         self._overlap.arm()
         if self._carry_sums and self._accumulating():
+            assert self.masters is not None  # _carry_sums: there are masters
             self.masters.carry_grads_(module.parameters())
             if grads_synced(module):
                 self._sums.start(self.masters.pending_sums())
@@ -308,6 +309,7 @@ class OptimizerSteps:
         """The check-only plans: stages 1–8 with nothing to gather, unscale, reduce or join."""
         closure()
         scaler = self.scaler
+        assert scaler is not None  # the check-only plans have one (_plan)
         state.stage, state.dirty = Stage.PREPARED, True
         try:
             hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
@@ -378,8 +380,10 @@ class OptimizerSteps:
                 scaler.unscale_(optimizer)
             state.dirty = False
         elif state.records is not None and state.records.found is not None:
+            assert scaler is not None  # found: check_only
             state.dirty = not scaler.record_verdict_(optimizer, state.records.found)
         elif check_only and self.spike is not None:
+            assert scaler is not None  # check_only
             # the spike guard needs the total gradient norm, which is inf/NaN when a gradient is: one pass for both
             # (taken during backward for large models)
             norm = self._overlap.verdict(optimizer) if self._overlap.installed else None
@@ -391,7 +395,7 @@ class OptimizerSteps:
         else:
             # the maxima taken during backward, where every gradient has one (large models, check-only modes)
             early = self._overlap.verdict(optimizer) if check_only and self._overlap.installed else None
-            state.dirty = early is None or not scaler.record_check_from_(optimizer, early)
+            state.dirty = early is None or not cast(DynamicLossScaler, scaler).record_check_from_(optimizer, early)
         if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
         state.stage = Stage.PREPARED
@@ -437,6 +441,7 @@ class OptimizerSteps:
     def _check(self, optimizer: Optimizer, state: _OptimizerState) -> None:
         """The read-only pass over the gradients the optimizer will apply (inside :meth:`_standing_in`)."""
         scaler = self.scaler
+        assert scaler is not None  # every caller has one
         if scaler.stage(optimizer) is OptState.READY:
             scaler.unscale_(optimizer)  # check-only mode: the read-only check
         else:
@@ -497,6 +502,7 @@ class OptimizerSteps:
             skipped = scaler.last_skipped_host
             verdict = scaler.found_inf(optimizer) if skipped is None else None  # (the host knows: no device flag)
         if records is not None:
+            assert self.masters is not None  # records: gathered by the masters
             self.masters.write_back(records, skipped=skipped, found_inf=verdict)
             state.records = None
         if skipped is not False:
@@ -504,9 +510,11 @@ class OptimizerSteps:
         state.stage = Stage.STEPPED
         if scaler is not None:
             if spike is not None:  # the loss scale moves on the inf/NaN verdict alone: a spike is no overflow
+                assert self.spike is not None  # spike: from the guard
                 loss, norm = spike[3], spike[2]
                 if loss is not None or norm is not None:
-                    outcome = skipped if skipped is not None else verdict
+                    # (the host has no answer only where the scaler stepped on a device verdict)
+                    outcome = skipped if skipped is not None else cast(Tensor, verdict)
                     self.spike.observe(loss, norm, spike[0], outcome, index=state.index)
                 self._batch_verdicts.append(spike[1])
             else:  # the host's answer where it has one: a batch of host-known outcomes is counted without a kernel
@@ -535,6 +543,7 @@ class OptimizerSteps:
         alone, the gradient norm, the loss judged: what backward ran on since the last step, or, where no backward
         ran since (two optimizers stepped from one backward), that backward's loss)."""
         scaler = self.scaler
+        assert scaler is not None and self.spike is not None  # called from _step with both
         inf_only = scaler.found_inf(optimizer)
         if inf_only is None:
             inf_only = torch.zeros((), device=scaler.scale_device)
@@ -553,6 +562,7 @@ class OptimizerSteps:
         """Drop a prepared step that never ran (an error inside it, or clipped in manual optimization and not
         stepped): the stand-ins' gradients go, the parameters keep their values, the scaler forgets it."""
         if state.records is not None:
+            assert self.masters is not None  # records: gathered by the masters
             self.masters.write_back(state.records, skipped=True)  # (the stand-ins stand in only inside a `with`)
             state.records = None
         if self.scaler is not None:
@@ -607,10 +617,12 @@ class OptimizerSteps:
                 with torch.no_grad():
                     for r in records.records:
                         r.param.copy_(r.standin)  # the closure evaluates the model where the optimizer stands
+                assert self.masters is not None  # records: gathered by the masters
                 self.masters.swap_out(records)  # its zero_grad and backward act on the model's own parameters
             result = closure()
             hooks_and_clipping()
             if records is not None:
+                assert self.masters is not None  # records: gathered by the masters
                 self.masters.swap_in(records)
                 for r in records.records:
                     r.standin.grad = None if r.param.grad is None else r.param.grad.float()
@@ -633,6 +645,7 @@ class OptimizerSteps:
                     owner.load_state_dict(full)
             self.buffers.restore(optimizer, True, None)
         if records is not None:
+            assert self.masters is not None  # records: gathered by the masters
             self.masters.write_back(records, skipped=skipped)
         state.stats.record(skipped, None)
         if scaler is not None:
@@ -646,7 +659,8 @@ class OptimizerSteps:
         return out
 
     def _standing_in_records(self, records: Optional[StepRecords]) -> Any:
-        return self.masters.stepping(records) if records is not None else contextlib.nullcontext()
+        # (records: gathered by the masters)
+        return cast(MasterWeights, self.masters).stepping(records) if records is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ after the step
     def _update_scale(self) -> None:
@@ -672,12 +686,13 @@ class OptimizerSteps:
         scale = scaler.get_scale() if scaler is not None and scaler.scaling else None
         advice = (
             "the loss scale is at its floor: check the model for values that overflow fp16, or use precision='bf16'"
-            if scale is not None and scale <= scaler.min_scale
+            if scale is not None and scale <= cast(DynamicLossScaler, scaler).min_scale
             else "look for a NaN/inf in the data or the loss, lower the learning rate, or add gradient clipping"
         )
         which = f" of optimizer {state.index}" if len(self._optimizers) > 1 else ""
         spikes = self.spike.spikes_in_a_row(state.index) if self.spike is not None else 0
         if spikes:
+            assert self.spike is not None  # spikes: counted by the guard
             advice = (
                 f"{spikes} of them were loss or gradient-norm spikes (spike_sigma={self.spike.sigma:g}, spike_window="
                 f"{self.spike.window}): the loss has moved away from its recent history for good (a data shift, a"

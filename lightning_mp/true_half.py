@@ -28,6 +28,7 @@ def cast_weights_(module: nn.Module, mode: Optional[PrecisionMode], guarded: lis
     """True-half modes: the weights outside the FP32 guards become half precision (in place). In every mode the
     guarded modules' weights are fp32 (a model the user cast to half included)."""
     if mode is not None and mode.true_half:
+        assert mode.param_dtype is not None  # true_half: a half param_dtype
         cast_module_(module, mode.param_dtype, keep_fp32=guarded)
     else:
         upcast_kept_(module, guarded)
@@ -57,6 +58,7 @@ class MasterWeightsSetup:
         if self._optimizer_keeps_masters(mode, optimizers):
             return None
         kind = self.kind(mode)
+        assert kind is not None  # true_half
         if kind == "none":
             if mode.needs_scaler:
                 _warn_eps_underflow(optimizers)
@@ -64,6 +66,7 @@ class MasterWeightsSetup:
         if self.masters is None or self.masters.kind != kind:
             self.masters = make_master_weights(kind)
         masters = self.masters
+        assert masters is not None  # "none" and "optimizer" (no masters of ours) returned above
         masters.name_parameters(model)
         for opt in optimizers:
             masters.attach(opt)

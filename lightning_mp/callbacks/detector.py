@@ -33,7 +33,7 @@ import warnings
 import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, cast
 
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
@@ -416,7 +416,8 @@ class NonFiniteDetector(Callback):
         found: Optional[NonFiniteReport] = None
         found_rec: Optional[_BatchRecord] = None
         if pending:
-            flags = torch.stack([r.any_bad for r in pending]).tolist()  # one host copy for the whole window
+            # (every pending record has its flag: _finish_record)
+            flags = torch.stack([cast(Tensor, r.any_bad) for r in pending]).tolist()  # one host copy for the window
             bad = [r for r, f in zip(pending, flags) if f]
             for i, rec in enumerate(bad):
                 report = self._describe(rec, trainer)
@@ -469,7 +470,7 @@ class NonFiniteDetector(Callback):
         if first_fwd is None and first_bwd is None and first_par is None:
             return None
         if rec.scaled and not self.report_overflows and first_fwd is None:
-            first_grad = bwd[first_bwd] if first_bwd is not None else par[first_par]
+            first_grad = bwd[first_bwd] if first_bwd is not None else par[cast(int, first_par)]  # (one is set)
             if math.isinf(first_grad):
                 return None  # the loss scaler's own overflow: it skips the step and lowers the scale
         forward = self._forward_finding(rec, fwd, first_fwd) if first_fwd is not None else None
@@ -566,6 +567,8 @@ class NonFiniteDetector(Callback):
         name = self._names[index]
         shape, dtype, _ = (outputs if kind == "output" else inputs)[k]
         where = f"gradient of {kind} {k} of {_display(name, self._root_type)}"
+        culprit: Optional[str]
+        culprit_type: Optional[str]
         culprit, culprit_type = name, self._types[index]
         if j == 0:
             culprit, culprit_type = None, None
@@ -694,9 +697,9 @@ class _BatchRecord:
     def __init__(self, step: int, epoch: int, batch_idx: int, scaled: bool) -> None:
         self.step, self.epoch, self.batch_idx, self.scaled = step, epoch, batch_idx, scaled
         self.calls: list[tuple[int, list, list]] = []
-        self.fwd_values: list[Tensor] = []
+        self.fwd_values: list[tuple[Tensor, Tensor]] = []  # (min, max) per tensor
         self.fwd_events: list[tuple[str, int, int]] = []
-        self.bwd_values: list[Tensor] = []
+        self.bwd_values: list[tuple[Tensor, Tensor]] = []
         self.bwd_events: list[tuple[str, int, int]] = []
         self.par_values: list[Tensor] = []
         self.par_names: list[str] = []
@@ -789,7 +792,7 @@ def _tensor_stats(t: Tensor) -> dict[str, Any]:
         x = t.detach().float()
         finite = torch.isfinite(x)
         values = x[finite]
-        stats = {"nonfinite": int((~finite).sum())}
+        stats: dict[str, Any] = {"nonfinite": int((~finite).sum())}
         if values.numel():
             stats.update(
                 min=float(values.min()), max=float(values.max()), mean=float(values.mean()),

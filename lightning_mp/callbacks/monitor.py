@@ -185,7 +185,8 @@ class PrecisionMonitor(Callback):
         self._stepped = False
         self._grad_norm: Optional[Tensor] = None
         self._act: dict[int, list[tuple[Tensor, Tensor, int]]] = defaultdict(list)
-        self._grad: dict[int, tuple[Tensor, Tensor, Tensor, int]] = {}
+        # (absmax, underflows, non-finite, numel) per layer; the counts are sums of tensors (0 for none)
+        self._grad: dict[int, tuple[Tensor, Tensor | int, Tensor | int, int]] = {}
         self._grad_scale_used = 1.0
         self._sharded = False  # FSDP / ModelParallel: each rank holds a shard of the gradients
         self._window_start: Optional[tuple[int, int]] = None  # (steps, skipped) at the previous logging step
@@ -200,7 +201,9 @@ class PrecisionMonitor(Callback):
                 "Cannot use `PrecisionMonitor` callback with `Trainer` that has no logger. Pass one, e.g."
                 " `Trainer(logger=CSVLogger('logs'))`, or leave `logger` at its default."
             )
-        self._every = self.log_every_n_steps if self.log_every_n_steps is not None else trainer.log_every_n_steps
+        # (Trainer.log_every_n_steps: set by Lightning's logger connector, not declared on the class)
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        self._every = self.log_every_n_steps if self.log_every_n_steps is not None else every
         self._names, self._modules = [], []
         if self.layer_stats:
             for name, module in pl_module.named_modules():
@@ -321,10 +324,10 @@ class PrecisionMonitor(Callback):
     def _log(self, trainer: Trainer, pl_module: LightningModule, stats: Optional[StepStats]) -> None:
         scaler = trainer.scaler
         if stats is not None:
-            figures = stats.as_dict()  # one host copy
-            steps, skipped = figures["steps"], figures["skipped_steps"]
-            consecutive, loss_scale = figures["consecutive_skips"], figures["loss_scale"]
-            spikes = figures.get("spike_skips") if getattr(stats, "_spike", None) is not None else None
+            read = stats.as_dict()  # one host copy
+            steps, skipped = read["steps"], read["skipped_steps"]
+            consecutive, loss_scale = read["consecutive_skips"], read["loss_scale"]
+            spikes = read.get("spike_skips") if getattr(stats, "_spike", None) is not None else None
         else:
             steps, skipped, consecutive = self._native.read()
             loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
@@ -336,7 +339,9 @@ class PrecisionMonitor(Callback):
         grad_norm = self._grad_norm
         self._grad_norm = None
 
-        device = self._agreement.device
+        agreement = self._agreement
+        assert agreement is not None  # made in on_fit_start
+        device = agreement.device
         nan = float("nan")
         scalars = torch.tensor(
             [loss_scale if loss_scale is not None else nan, skipped, skip_rate, consecutive, nan,
@@ -351,7 +356,6 @@ class PrecisionMonitor(Callback):
                 squares[0] = norm**2  # the norm over all shards: the square root of the sum over ranks
             else:
                 scalars[4] = norm  # replicated gradients (DDP): the same on every rank
-        agreement = self._agreement
         agreement.reset()
         agreement.update(torch.cat([scalars, maxima]), torch.cat([sums, squares]))
         agreed_max, agreed_sum = (v.reshape(-1) for v in agreement.compute())  # synced over ranks by torchmetrics
@@ -398,11 +402,11 @@ class PrecisionMonitor(Callback):
             logger.log_metrics(figures, step=step)
         # callback_metrics (and the progress bar): CPU tensors, so a GPU run makes no host-to-device copies here
         scalar_names = {f"precision/{name}" for name in SCALAR_NAMES}
-        scalars = {k: torch.tensor(float(v)) for k, v in figures.items() if k in scalar_names}
-        layers = {k: torch.tensor(float(v)) for k, v in figures.items() if k not in scalar_names}
-        for values, prog_bar in ((scalars, self.prog_bar), (layers, False)):
-            if values:
-                pl_module.log_dict(values, prog_bar=prog_bar, logger=False, on_step=True, on_epoch=False)
+        scalar_metrics = {k: torch.tensor(float(v)) for k, v in figures.items() if k in scalar_names}
+        layer_metrics = {k: torch.tensor(float(v)) for k, v in figures.items() if k not in scalar_names}
+        for metrics, prog_bar in ((scalar_metrics, self.prog_bar), (layer_metrics, False)):
+            if metrics:
+                pl_module.log_dict(metrics, prog_bar=prog_bar, logger=False, on_step=True, on_epoch=False)
 
     # ------------------------------------------------------------------ per-layer figures (logging steps only)
     def _forward_hook(self, index: int) -> Any:
@@ -423,8 +427,8 @@ class PrecisionMonitor(Callback):
                 if not grads:
                     continue
                 absmax = torch.stack([_absmax(g) for g in grads]).max() / seen_scale
-                under = sum((g.abs() < threshold).sum() for g in grads)
-                bad = sum((~torch.isfinite(g)).sum() for g in grads)
+                under: Tensor | int = sum((g.abs() < threshold).sum() for g in grads)
+                bad: Tensor | int = sum((~torch.isfinite(g)).sum() for g in grads)
                 numel = sum(g.numel() for g in grads)
                 if i in self._grad:  # several optimizers step in one batch
                     a, u, b, n = self._grad[i]
@@ -611,6 +615,7 @@ class _NativeSkips:
             return False
         scale = scaler._get_scale_async()
         if scale is not None and not self._compare_scale:
+            assert self._scale_before is not None  # reset_device ran (on_fit_start)
             self._scale_before.copy_(scale, non_blocking=True)
             self._compare_scale = True
         return True
@@ -618,17 +623,19 @@ class _NativeSkips:
     def after_step(self, scaler: Any) -> None:
         if self._compare_scale and scaler is not None:
             scale = scaler._get_scale_async()
+            assert self._scale_before is not None  # _compare_scale: observe wrote it
             if scale is not None:
                 self._count(scale.to(self._scale_before.device) < self._scale_before)
         self._compare_scale = False
 
     def _count(self, flag: Tensor) -> None:
+        assert self._skipped is not None and self._consecutive is not None  # reset_device ran (on_fit_start)
         flag = flag.to(device=self._skipped.device, dtype=torch.float32)
         self._skipped.add_(flag)
         self._consecutive.add_(1).mul_(flag)
 
     def read(self) -> tuple[int, int, int]:
-        if self._skipped is None:
+        if self._skipped is None or self._consecutive is None:  # (set together)
             return self.steps, self._init[0], self._init[1]
         skipped, consecutive = torch.stack([self._skipped, self._consecutive]).tolist()
         return self.steps, int(skipped), int(consecutive)
@@ -636,7 +643,7 @@ class _NativeSkips:
     def load(self, steps: int, skipped: int, consecutive: int) -> None:
         self.steps = steps
         self._init = (skipped, consecutive)
-        if self._skipped is not None:
+        if self._skipped is not None and self._consecutive is not None:  # (set together)
             self._skipped.fill_(skipped)
             self._consecutive.fill_(consecutive)
 
@@ -649,6 +656,9 @@ class _RankAgreement(Metric):
     """
 
     full_state_update = False
+    # the states add_state makes
+    maxima: Tensor
+    sums: Tensor
 
     def __init__(self, n_max: int, n_sum: int) -> None:
         super().__init__(sync_on_compute=True)

@@ -129,7 +129,7 @@ class PrecisionSchedule(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        plugin = trainer.precision_plugin
+        plugin: Any = trainer.precision_plugin  # MPPlugin, known by what it has (_is_mpplugin)
         if not _is_mpplugin(plugin):
             raise MisconfigurationException(
                 f"PrecisionSchedule switches precision through MPPlugin, but this Trainer uses"

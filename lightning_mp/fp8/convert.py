@@ -18,7 +18,7 @@ import logging
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -211,7 +211,7 @@ def convert_to_te(
             continue
         fqn = names[0]
         kind = "Linear" if isinstance(sub, nn.Linear) else "LayerNorm"
-        shape = (sub.in_features, sub.out_features) if kind == "Linear" else tuple(sub.normalized_shape)
+        shape = (sub.in_features, sub.out_features) if isinstance(sub, nn.Linear) else tuple(sub.normalized_shape)
         reason = keep.reason(sub, fqn)
         if reason is not None:
             report.skipped.append(ModuleRecord(fqn, kind, shape, reason))
@@ -235,7 +235,11 @@ def _target_device(old: nn.Module, device: Optional[torch.device]) -> torch.devi
 
 
 def _make_te_module(
-    te: Any, old: nn.Module, dtype: torch.dtype, device: Optional[torch.device], fp8_recipe: Any = None
+    te: Any,
+    old: Union[nn.Linear, nn.LayerNorm],
+    dtype: torch.dtype,
+    device: Optional[torch.device],
+    fp8_recipe: Any = None,
 ) -> nn.Module:
     """The TE module for ``old`` with its values; with ``fp8_recipe``, a linear's weight is an FP8 primary weight."""
     where = _target_device(old, device)

@@ -247,6 +247,7 @@ def _kind_problem(module: nn.Module, cfg: FP8Config) -> Optional[str]:
     if kind is nn.Linear:
         return None
     if kind is nn.LayerNorm:
+        assert isinstance(module, nn.LayerNorm)
         if not cfg.convert_layernorm:
             return "convert_layernorm=False"
         if module.weight is None or module.bias is None:

@@ -19,11 +19,14 @@ Nothing here imports Transformer Engine: its tensors are recognised by class nam
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 _ORIGINALS = "_mp_fp8_originals"
 _HOOKED = "_mp_fp8_primary_hooks"
@@ -59,7 +62,8 @@ def _dequantized(t: Tensor) -> Tensor:
         return plain
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(plain, t.device_mesh, t.placements, shape=t.shape, stride=t.stride())
+    sharded = cast(DTensor, t)  # a tensor that is not its own local shard: an FSDP2 DTensor
+    return DTensor.from_local(plain, sharded.device_mesh, sharded.placements, shape=t.shape, stride=t.stride())
 
 
 def _shard_like(value: Tensor, param: Tensor) -> Tensor:
@@ -69,10 +73,11 @@ def _shard_like(value: Tensor, param: Tensor) -> Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     device = _local(param).device
-    return distribute_tensor(value.to(device), param.device_mesh, param.placements, src_data_rank=None).to_local()
+    sharded = cast("DTensor", param)
+    return distribute_tensor(value.to(device), sharded.device_mesh, sharded.placements, src_data_rank=None).to_local()
 
 
-def seed_masters(model: nn.Module, optimizers: list[Optimizer]) -> int:
+def seed_masters(model: nn.Module, optimizers: list[Any]) -> int:
     """Check that every optimizer stepping an FP8 primary weight keeps fp32 masters, and start those masters from
     the exact fp32 weights (:func:`remember_original`); returns how many were seeded.
 
@@ -152,8 +157,9 @@ def requantize_from_masters(optimizers: list[Optimizer]) -> int:
                 if not is_quantized(param) or "master_param" not in opt.state.get(param, {}):
                     continue
                 master = _local(get(param, "master_param"))
+                quantized: Any = _local(param)  # Transformer Engine's QuantizedTensor
                 with torch.no_grad():
-                    _local(param).quantize_(master)
+                    quantized.quantize_(master)
                 refresh_transposes([param])
                 done += 1
     return done
@@ -199,7 +205,7 @@ def fit_delayed_scale(param: Tensor, value: Tensor) -> None:
     if getattr(value, "device_mesh", None) is not None:
         import torch.distributed as dist
 
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=value.device_mesh.get_group())
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=cast("DTensor", value).device_mesh.get_group())
     fmt = torch.float8_e5m2 if "E5M2" in str(getattr(quantizer, "dtype", "")) else torch.float8_e4m3fn
     top = torch.finfo(fmt).max  # 57344 / 448
     with torch.no_grad():

@@ -142,7 +142,7 @@ class MicrobatchWeightCache:
         return args, {**kwargs, "is_first_microbatch": first}
 
 
-def _forward_parameters(cls: type) -> tuple[str, ...]:
+def _forward_parameters(cls: type[nn.Module]) -> tuple[str, ...]:
     try:
         return tuple(inspect.signature(cls.forward).parameters)
     except (TypeError, ValueError):
@@ -260,7 +260,7 @@ def load_fp8_scaling_state(model: nn.Module, state: dict[str, dict[str, Any]], r
     done = []
     modules = named_modules_unwrapped(model)
     for fqn, entry in state.items():
-        module = modules.get(fqn)
+        module: Any = modules.get(fqn)  # a Transformer Engine module, known by what it has
         meta = getattr(module, "fp8_meta", None)
         if module is None or not isinstance(meta, dict) or not hasattr(module, "init_fp8_meta_tensors"):
             continue
@@ -531,6 +531,7 @@ class FP8Training:
         self._optimizers = list(optimizers)
         if not self._fp8_params:
             return 0
+        assert self._model is not None  # _fp8_params: found in the model taken (_take)
         return seed_masters(self._model, self._optimizers)
 
     def requantize_weights(self) -> int:

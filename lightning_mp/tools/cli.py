@@ -482,7 +482,7 @@ def _signature_parameters(cls: type, keep_var: bool = False) -> dict[str, inspec
     }
 
 
-def _parameter_types(cls: type) -> dict[str, Any]:
+def _parameter_types(cls: type[Any]) -> dict[str, Any]:
     params = _signature_parameters(cls)
     try:
         hints = typing.get_type_hints(cls.__init__)

@@ -111,7 +111,7 @@ def assess(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
         if r.mode.partition(":")[0] in FP16_FAMILY or r.mode in FP16_FAMILY:
             seen = headroom_ref if headroom_ref is not None and headroom_ref is not r else None
             bits = seen.act_headroom_bits if seen is not None else None
-            if bits is not None and bits < min_headroom:
+            if seen is not None and bits is not None and bits < min_headroom:
                 where = f" in {seen.act_layer}" if seen.act_layer else ""
                 top = f"{seen.act_absmax:.3g}" if seen.act_absmax is not None else "close to 65504"
                 problems.append(
@@ -180,7 +180,7 @@ def parse_mode(value: str) -> str:
     Raises:
         ValueError: naming the bad value, the accepted ones and the fix.
     """
-    from lightning_mp.master import MASTER_WEIGHT_KINDS, parse_master_weights
+    from lightning_mp.settings import MASTER_WEIGHT_KINDS, parse_master_weights
     from lightning_mp.modes import MODES, parse_precision
 
     if value.startswith("lightning:"):
@@ -321,7 +321,7 @@ exit status: 0 a recommendation was made; 1 no mode ran within the thresholds (o
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors: ``error: <flag>: <what is wrong>``, exit status 2."""
 
-    def error(self, message: str) -> Any:  # type: ignore[override]
+    def error(self, message: str) -> Any:
         _fail(message)
 
 
@@ -569,6 +569,7 @@ def _compare(args: argparse.Namespace, spec: Any, device_type: str, modes: list[
         elif probe_row.items_per_step * 1.5 > base.items_per_step:
             probe_why = "setting batch_size did not change the batch the data loader gives"
         else:
+            assert batch is not None  # probe_job: made from it
             probe = batch_probe(probe_job.mode, batch[1], batch[1] // 2, base.round_ms, probe_row.round_ms,
                                 base.times_ms, probe_row.times_ms, base.item_name)
             if probe.growth is None or math.isinf(probe.growth.hi):

@@ -273,7 +273,7 @@ class _Participant:
         self.index = index
         self.result = ModeResult(mode=job.label)
         self.thread: Optional[threading.Thread] = None
-        self.budget = 0
+        self.budget: float = 0
         self.round: Optional[int] = None  # the round being run (None: warm-up or tail, untimed)
         self.done = False
         self.steps_started = 0

@@ -134,8 +134,8 @@ def noise_text(results: Sequence[ModeResult], load: Optional[tuple[float, int]])
     timed = [r for r in results if r.step_ms and r.step_iqr_ms is not None and not r.mode.startswith("lightning:")]
     if not timed:
         return "Timing: no mode was timed."
-    worst = max(timed, key=lambda r: r.step_iqr_ms / r.step_ms)
-    rel = worst.step_iqr_ms / worst.step_ms
+    worst = max(timed, key=_iqr_share)
+    rel = _iqr_share(worst)
     busy = f"; load average {load[0]:.1f} on {load[1]} CPUs" if load is not None else ""
     if any(r.noisy for r in timed):
         return wrap(f"Timing: noisy — the IQR reached {100 * rel:.0f}% of the median step ({worst.mode}){busy}."
@@ -144,10 +144,17 @@ def noise_text(results: Sequence[ModeResult], load: Optional[tuple[float, int]])
     return wrap(f"Timing: steady — every IQR within {100 * rel:.0f}% of the median step{busy}.")
 
 
+def _iqr_share(r: ModeResult) -> float:
+    """The IQR of a timed mode's step time over its median."""
+    assert r.step_iqr_ms is not None and r.step_ms
+    return r.step_iqr_ms / r.step_ms
+
+
 def probe_text(probe: Optional[Probe], why_not: Optional[str], device_type: str) -> str:
     if probe is None or probe.math_share is None:
         return wrap(f"Size: not checked ({why_not or 'no probe run'}).") if why_not != "off" else ""
     share, growth = probe.math_share, probe.growth
+    assert growth is not None  # math_share: from the growth
     interval = f" [{growth.lo:.2f}–{growth.hi:.2f}]" if growth.hi > growth.lo else ""
     what = (f"the {probe.mode} step at batch {probe.batch} takes {growth.median:.2f}x{interval} the time of batch"
             f" {probe.probe_batch}: about {100 * share:.0f}% of it grows with the batch (the math) and"
@@ -188,6 +195,7 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
     """Why the decision picked its mode, in sentences."""
     rows = {r.mode: r for r in results}
     pick, fastest = decision.mode, decision.fastest
+    assert pick is not None  # (explained only where a mode was picked)
     need = f"{decision.min_speedup:.2f}x"
     safest = min(decision.tied + decision.beaten, key=_rank)
     out = []
@@ -225,8 +233,8 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
     pick_row = rows.get(pick)
     lighter = [rows[m] for m in decision.tied if m != pick and m in rows and _lighter(rows[m], pick_row)]
     if lighter:
-        best = min(lighter, key=lambda r: r.peak_mem_mib)
-        saved = 100 * (1 - best.peak_mem_mib / pick_row.peak_mem_mib)
+        best = min(lighter, key=_peak_mem)
+        saved = 100 * (1 - _peak_mem(best) / _peak_mem(pick_row))
         out.append(f"{best.mode} is as fast within noise and needs {saved:.0f}% less memory: use it if memory is what"
                    " limits you.")
     if decision.confidence == "low":
@@ -265,6 +273,12 @@ def _rank(mode: str) -> tuple[int, int]:
 def _lighter(r: ModeResult, pick: Optional[ModeResult]) -> bool:
     return (pick is not None and r.peak_mem_mib is not None and pick.peak_mem_mib is not None
             and r.memory_kind == pick.memory_kind and r.peak_mem_mib < 0.9 * pick.peak_mem_mib)
+
+
+def _peak_mem(r: Optional[ModeResult]) -> float:
+    """The peak memory of a row that :func:`_lighter` compared (known there)."""
+    assert r is not None and r.peak_mem_mib is not None
+    return r.peak_mem_mib
 
 
 def write_plot(results: Sequence[ModeResult], path: str) -> None:

@@ -463,7 +463,7 @@ def _as_file(data: dict[str, Any], path: str) -> str:
         handle, copy = tempfile.mkstemp(prefix="compare-", suffix=".yaml")
     with os.fdopen(handle, "w") as f:
         yaml.safe_dump(data, f, sort_keys=False)
-    atexit.register(lambda: os.path.exists(copy) and os.remove(copy))
+    atexit.register(lambda: os.remove(copy) if os.path.exists(copy) else None)
     return copy
 
 

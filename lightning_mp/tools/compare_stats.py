@@ -226,7 +226,7 @@ def decide(candidates: Sequence[Candidate], min_speedup: float = MIN_SPEEDUP) ->
     # the fastest by its paired speed-up over the safest candidate (the same pairing the intervals use)
     safest = min(timed, key=lambda c: c.rank)
     gain = {c.mode: speedup(safest.rounds, c.rounds, safest.steps, c.steps) for c in timed if c is not safest}
-    fastest = max(timed, key=lambda c: (gain[c.mode].median if gain.get(c.mode) else 1.0, _neg(c.rank)))
+    fastest = max(timed, key=lambda c: (g.median if (g := gain.get(c.mode)) else 1.0, _neg(c.rank)))
     decision = Decision(None, fastest=fastest.mode, min_speedup=min_speedup)
     for c in timed:
         ratio = speedup(c.rounds, fastest.rounds, c.steps, fastest.steps) if c is not fastest else None

@@ -55,6 +55,7 @@ class TinyByteLM(LightningModule):
         self.norm = nn.LayerNorm(width)
         self.head = nn.Linear(width, 256)
         self.seq_len, self.batch_size, self.lr, self.poison_step = seq_len, batch_size, lr, poison_step
+        self.mask: torch.Tensor
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq_len), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
