@@ -62,7 +62,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mp._host import HostCopy
 from lightning_mp.scaling import check_tensors_
-from lightning_mp.settings import parse_master_weights
+from lightning_mp.settings import MASTER_WEIGHT_KINDS, parse_master_weights  # noqa: F401 - (also here)
 
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES: dict[Optional[torch.dtype], str] = {
@@ -405,13 +405,14 @@ class MasterWeights:
         """Write the fp32 gradients into the half ones, so hooks see the gradient the step will apply."""
         with torch.no_grad():
             for r in records.records:
+                g32 = r.standin.grad
+                if g32 is None:  # a hook set the half gradient to None (take_rewritten): nothing to show
+                    continue
                 grad = r.param.grad
                 if grad is None:
-                    # FIXME: the stand-in's gradient is None where a hook set the half one to None (take_rewritten);
-                    # these two lines then fail
-                    r.param.grad = r.standin.grad.to(r.param.dtype)  # type: ignore[union-attr]
+                    r.param.grad = g32.to(r.param.dtype)
                 else:
-                    grad.copy_(r.standin.grad)  # type: ignore[arg-type]  # as above
+                    grad.copy_(g32)
                 r.grad_seen = _grad_stamp(r.param)
 
     @staticmethod

@@ -85,6 +85,7 @@ def summary(plugin: Any) -> str:
     from lightning_mp.modes import AUTO, running_mode
 
     mode = running_mode(plugin)
+    assert mode is not None, "summary() describes an MPPlugin"  # (its mode, or auto's choice for its device)
     settings = plugin.settings
     parts: list[str] = []
     if plugin.requested_precision == AUTO:
@@ -97,6 +98,7 @@ def summary(plugin: Any) -> str:
             f"{plugin.fp8_config.weights} weights",
         ]
     elif mode.true_half:
+        assert mode.param_dtype is not None  # true-half modes cast the weights
         short = _SHORT[mode.param_dtype]
         parts += [f"{short} weights and compute", _MASTERS[plugin.master_weights or "fp32"].format(short)]
     elif mode.autocast_dtype is not None:
@@ -154,4 +156,6 @@ def plugin_compute_dtype(plugin: Any) -> torch.dtype:
     """``MPPlugin.compute_dtype()``: the dtype its matmuls run in (see :func:`lightning_mp.modes.compute_dtype`)."""
     from lightning_mp.modes import compute_dtype, running_mode
 
-    return compute_dtype(running_mode(plugin))
+    mode = running_mode(plugin)
+    assert mode is not None, "compute_dtype() describes an MPPlugin"
+    return compute_dtype(mode)

@@ -122,8 +122,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         self.stats = StepStats(self._run.scaler, spike=self._spike)
         self._steps: Optional[OptimizerSteps] = None
         self._hold = SchedulerHold()
-        self._comm_hooked, self._fsdp_root = [], None  # DDP models given a reduce_dtype hook; the root FSDP module
-        self._guarded_classes, self._converted = (), None  # (guarded module types; the module convert_module saw)
+        self._comm_hooked: list[Any] = []  # DDP models given a reduce_dtype hook
+        self._fsdp_root: Optional[torch.nn.Module] = None  # the root FSDP module
+        self._guarded_classes: tuple[type[torch.nn.Module], ...] = ()  # guarded module types
+        self._converted: Optional[torch.nn.Module] = None  # the module convert_module saw
 
     # ------------------------------------------------------------------ the mode (held by RunPrecision)
     mode = property(lambda self: self._run.mode, doc="The precision mode in force (``None`` for auto until set-up).")
@@ -244,7 +246,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         return torch.autocast(self.device, dtype=dtype, cache_enabled=False)
 
     @override
-    def forward_context(self) -> Any:  # type: ignore[override]
+    def forward_context(self) -> Any:
         dtype = self.mode.param_dtype if self.mode is not None else None
         # true-half: tensors made in forward match the half weights, as Lightning's HalfPrecision
         return _DtypeContextManager(dtype) if dtype is not None else self.autocast_context_manager()
@@ -297,13 +299,14 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
 
     @override
     def _after_closure(self, model: LightningModule, optimizer: Any) -> None:
-        trainer = model.trainer
+        trainer, steps = model.trainer, self._steps
+        assert steps is not None, "optimizer steps run after connect()"
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-        self._steps.hooks_ran(optimizer)  # what hooks wrote is what the step applies
+        steps.hooks_ran(optimizer)  # what hooks wrote is what the step applies
         clip = (trainer.gradient_clip_val, trainer.gradient_clip_algorithm)
         self._clip_gradients(model, optimizer, clip[0], gradient_clip_algorithm=clip[1])
-        self._steps.hooks_ran(optimizer, clipping=True)  # a configure_gradient_clipping override may write too
+        steps.hooks_ran(optimizer, clipping=True)  # a configure_gradient_clipping override may write too
 
     @override
     def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,

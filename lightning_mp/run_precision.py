@@ -67,6 +67,13 @@ class RunPrecision:
     def name(self) -> str:
         return self.mode.name if self.mode is not None else self.requested
 
+    @property
+    def active(self) -> PrecisionMode:
+        """The mode in force: a named mode from the start, ``auto``'s choice once set-up settled it."""
+        if self.mode is None:
+            raise RuntimeError("MPPlugin(precision='auto') has not chosen its mode yet: that happens at set-up.")
+        return self.mode
+
     def set_mode(self, mode: PrecisionMode) -> None:
         """Run in ``mode`` from now on (checked already), with a scaler of its own that keeps the last one's state."""
         if mode.fp8 and self.fp8 is None:
@@ -101,9 +108,10 @@ class RunPrecision:
                 self.set_mode(mode)
                 rank_zero_info(f"MPPlugin(precision='auto') chose {name!r} on {device}: {reason}.")
         else:
-            resolve_mode(self.mode.name, self.device)  # a mode the device cannot run fails before the first step
+            mode = self.active
+            resolve_mode(mode.name, self.device)  # a mode the device cannot run fails before the first step
             if self.scaler is not None and self.scaler.device_type != self.device:
-                self.set_mode(self.mode)  # rebuilt for the real device, state kept
+                self.set_mode(mode)  # rebuilt for the real device, state kept
         if self.scaler is not None:
             self.scaler.ensure_initialized(device)
         self.apply_tf32()
@@ -134,7 +142,7 @@ class RunPrecision:
             fp8.convert(module, device=device, announce=rank_zero_info)
 
     def connect_fp8(self, module: Any, device: torch.device, *, watch: bool, optimizers: list) -> None:
-        if self.fp8 is None or not self.mode.fp8:
+        if self.fp8 is None or not self.active.fp8:
             return
         self.fp8.check(device)  # recipe-specific: e.g. mxfp8 needs Blackwell
         try:
@@ -185,7 +193,7 @@ class RunPrecision:
 
     def apply_tf32(self) -> None:
         tf32 = self.settings.tf32
-        wanted = tf32 if tf32 is not None else self.mode.tf32
+        wanted = tf32 if tf32 is not None else self.active.tf32
         if wanted is None:
             self.restore_tf32()  # a switch away from fp32/tf32 gives the flags back
             return
