@@ -104,7 +104,8 @@ def assess(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
         elif r is base and r.peak_mem_mib:
             r.mem_share = 1.0
         problems = []
-        if r.loss_drift is not None and abs(r.loss_drift) > drift_tolerance:
+        lower = r.loss_drift is not None and r.loss_drift < -drift_tolerance
+        if r.loss_drift is not None and r.loss_drift > drift_tolerance:
             problems.append(f"final loss {r.loss_drift:+.1%} from fp32 (tolerance {drift_tolerance:.0%})")
         if r.steps and r.skipped_steps is not None and r.skipped_steps / r.steps > max_skip_rate:
             problems.append(f"{r.skipped_steps}/{r.steps} steps skipped (tolerance {max_skip_rate:.0%})")
@@ -121,6 +122,24 @@ def assess(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
                     " prefer bf16")
         if problems and r.status == "ok":
             r.status, r.reason = "unstable", "; ".join(problems)
+        elif lower and r.status == "ok":
+            # lower precision does not learn faster: a lower loss is another trajectory, worth a word, not a failure
+            r.status, r.reason = "differs", _lower_loss_reason(r, drift_tolerance)
+
+
+def _lower_loss_reason(r: ModeResult, drift_tolerance: float) -> str:
+    reason = (
+        f"final loss {r.loss_drift:+.1%} from fp32 (tolerance {drift_tolerance:.0%}): lower, so it took another path,"
+        " not a better one; it is not picked until it follows fp32"
+    )
+    if r.mode.partition(":")[0] == "fp8":
+        reason += (
+            " (FP8 with delayed scaling takes each tensor's scale from earlier steps' largest values: when an early"
+            " loss spike makes activations and gradients outgrow them, they saturate at FP8's largest value, which"
+            " clips the spike; fp8={'recipe': 'current'} scales each tensor by its own largest value and follows"
+            " bf16)"
+        )
+    return reason
 
 
 def candidates(results: list[ModeResult], drift_tolerance: float = DRIFT_TOLERANCE,
@@ -373,7 +392,8 @@ def build_parser() -> argparse.ArgumentParser:
                           " model or data module has a batch_size)")
     decide_group = p.add_argument_group("how to decide")
     decide_group.add_argument("--drift-tolerance", type=float, default=DRIFT_TOLERANCE, metavar="F",
-                              help="a mode is unstable when its final loss is further than this share from fp32's"
+                              help="a mode is unstable when its final loss lies more than this share above fp32's;"
+                                   " one as far below it differs (another path, not picked)"
                                    " (default: %(default)s)")
     decide_group.add_argument("--max-skip-rate", type=float, default=MAX_SKIP_RATE, metavar="F",
                               help="a mode is unstable when more than this share of its steps were skipped"
