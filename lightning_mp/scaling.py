@@ -199,6 +199,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         #: outcomes the host knows that the device counters do not hold yet: [steps, skipped, trailing skips,
         #: all skipped (0/1), last skipped]; see :meth:`update_from`
         self._host_tail: Optional[list[int]] = None
+        #: check-only device verdicts not yet in the counters (folded in a batch of a few kernels; see _defer)
+        self._deferred: list[torch.Tensor] = []
         self._init_hysteresis_tracker = hysteresis
         #: whether the last step was skipped, when known on the host without a sync (``None`` otherwise)
         self.last_skipped_host: Optional[bool] = None
@@ -452,6 +454,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update().")
         overflow = (found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()) > 0
+        self._fold_deferred()
         self._flush_host_tail()
         counters = self._counters
         assert counters is not None and self._hysteresis_tracker is not None
@@ -478,11 +481,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ reading (each read syncs)
     def _counter(self, i: int) -> int:
+        self._fold_deferred()
         self._flush_host_tail()
         return int(self._counters[i].item()) if self._counters is not None else self._init_counters[i]
 
     def _count_on_host(self, skipped: bool) -> None:
         """A step whose outcome the host knows, counted without touching the device (see :meth:`update_from`)."""
+        if self._deferred:
+            self._fold_deferred()  # (the order of outcomes matters for the streak)
         tail = self._host_tail
         if tail is None:
             tail = self._host_tail = [0, 0, 0, 1, 0]
@@ -492,6 +498,29 @@ class DynamicLossScaler(torch.amp.GradScaler):
         tail[2] = tail[2] + 1 if x else 0
         tail[3] &= x
         tail[4] = x
+
+    def _defer(self, flag: torch.Tensor) -> None:
+        """A check-only step's outcome known on the device only: kept, and folded into the counters every
+        ``_DEFER_LIMIT`` steps or when they are read (a few kernels for many steps instead of several a step)."""
+        if self._host_tail is not None:
+            self._flush_host_tail()
+        self._deferred.append(flag.reshape(()))
+        if len(self._deferred) >= _DEFER_LIMIT:
+            self._fold_deferred()
+
+    def _fold_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        counters = self._counters
+        if not deferred or counters is None:
+            return
+        skipped = (torch.stack([f.to(counters.device) for f in deferred]) > 0).long()
+        n = len(deferred)
+        trailing = skipped.flip(0).cumprod(0).sum()  # skips at the end, in a row
+        # [steps, skipped_steps, consecutive_skips, last_skipped]
+        counters[0].add_(n)
+        counters[1].add_(skipped.sum())
+        counters[2].copy_(torch.where(trailing == n, counters[2] + n, trailing))
+        counters[3].copy_(skipped[-1])
 
     def _flush_host_tail(self) -> None:
         """Fold the host-known outcomes into the device counters (no sync)."""
@@ -529,6 +558,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def counters_tensor(self) -> Optional[torch.Tensor]:
         """The device tensor ``[steps, skipped_steps, consecutive_skips, last_skipped]`` (no sync)."""
+        self._fold_deferred()
         self._flush_host_tail()
         return self._counters
 
@@ -588,7 +618,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self.scaling and state_dict.get("scaling", True):
             super().load_state_dict(torch_state)
         self._init_counters = counters
-        self._host_tail = None
+        self._host_tail, self._deferred = None, []
         if self._counters is not None:
             self._counters.copy_(torch.tensor(counters, dtype=torch.int64))
         self._init_hysteresis_tracker = tracker
@@ -617,6 +647,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         state = super().__getstate__()
         state["_init_counters"] = self._counters_now()
         state["_counters"] = state["_host_tail"] = None
+        state["_deferred"] = []
         if self._hysteresis_tracker is not None:
             state["_init_hysteresis_tracker"] = int(self._hysteresis_tracker.item())
         state["_hysteresis_tracker"] = None
@@ -668,6 +699,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.dynamic = self.scaling = True
         self._init_counters, self._init_hysteresis_tracker = [0, 0, 0, 0], 1
         self._hysteresis_tracker = self._counters = self._host_tail = None
+        self._deferred = []
         self.last_skipped_host, self.sync_across_ranks = None, False
         if not self._enabled:
             self._scale = self._growth_tracker = None
@@ -704,6 +736,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         scale, _ = self._check_scale_growth_tracker("update")
+        if not self.scaling and not any(v is True for v in verdicts):
+            flags = [v for v in verdicts if not isinstance(v, bool)]
+            if flags:  # check-only: no scale to move, the device outcome is counted later with others (_defer)
+                self._defer(flags[0] if len(flags) == 1 else torch.stack([f.reshape(()).float() for f in flags]).amax())
+                self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+                return
         if all(isinstance(v, bool) for v in verdicts):
             if not (self.scaling and self.dynamic):
                 self._count_on_host(any(verdicts))
@@ -826,6 +864,9 @@ class _RealGradients:
 def _has_complex_grads(optimizer: torch.optim.Optimizer) -> bool:
     return any(p.grad is not None and p.grad.is_complex() for g in optimizer.param_groups for p in g["params"])
 
+
+#: check-only device outcomes kept before they are folded into the counters
+_DEFER_LIMIT = 64
 
 _MASKS: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
