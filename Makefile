@@ -1,5 +1,6 @@
 # The two commands of the README: `make compare` (the main job) and `make test` (the test suite).
-# Both create .venv and install everything on first use. `make lint` (ruff, mypy) and `make dist` are what CI adds.
+# Both create .venv and install everything on first use. `make lint` (ruff, mypy), `make docs` and `make dist`
+# are what CI adds.
 PYTHON ?= python3
 VENV ?= .venv
 # The torch that .venv gets, installed before the package (whose `torch>=2.4` it then satisfies). Which build
@@ -15,7 +16,7 @@ STAMP := $(VENV)/.lightning_mp-installed
 TORCH_STAMP := $(VENV)/.torch-spec
 TORCH_REQUEST := $(TORCH_SPEC)$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
 
-.PHONY: setup compare demo test test-gpu lint dist clean FORCE
+.PHONY: setup compare demo test test-gpu lint docs dist clean FORCE
 
 setup: $(STAMP)
 
@@ -26,7 +27,7 @@ $(TORCH_STAMP): FORCE
 $(STAMP): pyproject.toml $(TORCH_STAMP)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,docs]"
 	touch $(STAMP)
 
 compare: $(STAMP)
@@ -51,6 +52,11 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m mypy
 
+# the documentation site (mkdocs.yml, docs/) in site/, built strictly: a broken link, anchor, included file or API
+# reference fails; no network or GPU needed (NO_MKDOCS_2_WARNING: Material's notice about MkDocs 2.0, not a warning)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
+
 # the wheel and the sdist in dist/; then the unpacked sdist must collect exactly the tests this tree collects
 dist: $(STAMP)
 	rm -rf dist
@@ -66,4 +72,4 @@ dist: $(STAMP)
 	if [ "$$here" != "$$there" ]; then echo "the sdist does not collect the same tests"; exit 1; fi
 
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache build dist
+	rm -rf $(VENV) lightning_logs .pytest_cache build dist site

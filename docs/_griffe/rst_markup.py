@@ -81,3 +81,6 @@ class RstMarkup(griffe.Extension):
 
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         self._rewrite(pkg)
+
+    # griffe 1's name of the same hook (griffe 2 calls on_package only); a second pass changes nothing
+    on_package_loaded = on_package
