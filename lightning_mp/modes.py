@@ -61,7 +61,7 @@ class PrecisionMode:
         return tuple(d for d in (self.autocast_dtype, self.param_dtype) if d is not None)
 
 
-# Modes that this release runs, in the order of the README's table.
+# Modes that this release runs, in the order of the modes table (docs/modes.md).
 MODES: dict[str, PrecisionMode] = {
     m.name: m
     for m in (

@@ -1,6 +1,6 @@
 """Bad configurations fail before training, with a message that names the argument and the fix.
 
-The same table stands in the README's troubleshooting section.
+The same table stands in the documentation's troubleshooting page (docs/troubleshooting.md).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_mode_the_hardware_cannot_run_fails_before_the_first_step(monkeypatch):
 
 
 def test_table_size():
-    # the issue asks for at least 20 bad configurations; the README lists the same ones
+    # the issue asks for at least 20 bad configurations; docs/troubleshooting.md lists the same ones
     assert len(CONSTRUCTION) + 2 >= 20
 
 
