@@ -200,9 +200,14 @@ def test_signature_defaults_equal_the_settings_defaults():
     assert MPSettings().changed() == {} and MPPlugin().settings == MPSettings()
 
 
+def _documentation() -> str:
+    """The README and the documentation pages (docs/*.md), where the README's reference sections now stand."""
+    return "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+
+
 def test_the_readme_table_shows_the_defaults():
-    readme = (ROOT / "README.md").read_text()
-    table = readme[readme.index("## MPPlugin arguments"):readme.index("## How a step runs")]
+    page = (ROOT / "docs" / "plugin.md").read_text()  # the arguments table (the README's until the docs site)
+    table = page[page.index("## Arguments"):page.index("## How a step runs")]
     rows = re.findall(r"^\| (`[^|]+`) \| (`[^`]*`)(?: / (`[^`]*`))?", table, flags=re.MULTILINE)
     documented = {}
     for names, *defaults in rows:
@@ -236,8 +241,8 @@ def test_the_plugins_settings_are_read_only():
 
 # ---------------------------------------------------------------------------------------------- documented uses
 def _documented_calls() -> list[str]:
-    """Every ``MPPlugin(...)`` the README writes, with balanced parentheses."""
-    text, calls, start = (ROOT / "README.md").read_text(), [], 0
+    """Every ``MPPlugin(...)`` the README and the documentation pages write, with balanced parentheses."""
+    text, calls, start = _documentation(), [], 0
     while (start := text.find("MPPlugin(", start)) >= 0:
         depth, end = 0, start + len("MPPlugin")
         for end in range(end, len(text)):
@@ -258,8 +263,8 @@ DOCUMENTED = [c for c in _documented_calls() if c not in REFUSED_IN_README]
 
 
 def _documented_yaml() -> list[dict]:
-    """MPPlugin ``init_args`` the README and the example configs write."""
-    written = re.findall(r"init_args: (\{.*\})", (ROOT / "README.md").read_text())
+    """MPPlugin ``init_args`` the README, the documentation pages and the example configs write."""
+    written = re.findall(r"init_args: (\{.*\})", _documentation())
     found = [yaml.safe_load(m) for m in written if "precision:" in m]  # (not the GradScaler's {...})
     for path in sorted((ROOT / "examples" / "configs").glob("*.yaml")):
         for plugin in yaml.safe_load(path.read_text())["trainer"].get("plugins", []):
