@@ -6,16 +6,14 @@
 import os
 import sys
 
+from lightning_mp.tools import program_name  # (the tools package itself: no heavy imports)
+
 COMMANDS = {
     "compare": "run a model under each precision mode and tell which to use (speed, memory, loss drift, skips)",
     "demo": "train a small byte-level transformer under MPPlugin in fp32, bf16 and fp16, side by side",
 }
 
 
-def program_name() -> str:
-    """How the user called us: ``lightning-mp`` (the console script) or ``python -m lightning_mp``."""
-    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
-    return "python -m lightning_mp" if name in ("", "-c", "__main__.py", "-m") else name
 
 
 def version_text() -> str:
@@ -39,6 +37,9 @@ def usage() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # the console script finds modules in the working directory (``--model mycnn:SmallCNN``) as ``python -m`` does
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     if argv and argv[0] in ("-V", "--version"):
         print(version_text())
         return 0

@@ -7,3 +7,12 @@
 
 ``lightning_mp.compare`` and ``lightning_mp.cli``, where two of them lived before, are the same modules.
 """
+
+import os
+import sys
+
+
+def program_name() -> str:
+    """How the user called us: ``lightning-mp`` (the console script) or ``python -m lightning_mp``."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m lightning_mp" if name in ("", "-c", "__main__.py", "-m") else name

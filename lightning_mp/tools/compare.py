@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from lightning_mp.tools import compare_report as report
+from lightning_mp.tools import program_name
 from lightning_mp.tools.compare_engine import Job, ModeResult, Schedule, _count_items, run_jobs
 from lightning_mp.tools.compare_setup import (  # noqa: F401 - BUILTIN_DATAMODULES: kept for earlier callers
     BUILTIN_DATAMODULES,
@@ -350,7 +351,7 @@ def _fail(message: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m lightning_mp compare", description=DESCRIPTION,
+    p = _Parser(prog=f"{program_name()} compare", description=DESCRIPTION,
                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     what = p.add_argument_group("what to train")
     what.add_argument("--model", default=None, metavar="SPEC",
@@ -438,6 +439,27 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for flag, value in (("--drift-tolerance", args.drift_tolerance), ("--max-skip-rate", args.max_skip_rate)):
         if not value >= 0:
             raise InputError(flag, f"{value}: use 0 or more")
+    _check_outputs(args)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """``--json`` and ``--plot`` are checked before the first step, not after the whole run: a folder that does not
+    exist or cannot be written, a path that is a folder, ``--plot`` without matplotlib."""
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if not path:
+            continue
+        folder = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise InputError(flag, f"{path}: a folder; name a file in it")
+        if not os.path.isdir(folder):
+            raise InputError(flag, f"{path}: the folder {folder} does not exist")
+        if not os.access(folder, os.W_OK):
+            raise InputError(flag, f"{path}: the folder {folder} cannot be written")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise InputError("--plot", f"{args.plot}: needs matplotlib (pip install matplotlib)") from None
 
 
 def _main(args: argparse.Namespace, extras: list[str]) -> int:

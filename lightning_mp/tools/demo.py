@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mp.plugin import MPPlugin
+from lightning_mp.tools import program_name
 
 
 def corpus() -> bytes:
@@ -131,7 +132,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_mp demo", description=__doc__)
+    parser = argparse.ArgumentParser(prog=f"{program_name()} demo", description=__doc__)
     parser.add_argument("--modes", nargs="+", default=["fp32", "bf16", "fp16"],
                         help="modes to run (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per mode (default: %(default)s)")

@@ -1,0 +1,77 @@
+"""First-hour frictions of the command line: the console script finds models in the working directory, compare's
+output options are checked before the first step (one line, exit 2), and help names the program as it was called."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(sys.executable).with_name("lightning-mp")
+needs_script = pytest.mark.skipif(not SCRIPT.exists(), reason="the lightning-mp console script is not installed here")
+
+MODEL = textwrap.dedent('''
+    import torch
+    from torch import nn
+    from lightning.pytorch import LightningModule
+
+    class SmallNet(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def train_dataloader(self):
+            data = torch.utils.data.TensorDataset(torch.randn(64, 8))
+            return torch.utils.data.DataLoader(data, batch_size=8)
+''')
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@needs_script
+def test_the_console_script_imports_a_model_from_the_working_directory(tmp_path):
+    (tmp_path / "mycnn.py").write_text(MODEL)
+    done = _run(["compare", "--model", "mycnn:SmallNet", "--modes", "fp32", "--steps", "2", "--warmup", "0",
+                 "--rounds", "1", "--json", str(tmp_path / "out.json")], tmp_path)
+    assert "mycnn" not in done.stderr, done.stderr[-2000:]
+    assert (tmp_path / "out.json").exists()
+
+
+@needs_script
+def test_help_names_the_console_script(tmp_path):
+    done = _run(["compare", "--help"], tmp_path)
+    assert done.stdout.startswith("usage: lightning-mp compare")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_into_a_missing_folder_fails_before_training(flag, tmp_path, capsys):
+    from lightning_mp.tools.compare import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--modes", "fp32", flag, str(tmp_path / "missing" / "out")])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {flag}:") and "does not exist" in err
+
+
+def test_plot_without_matplotlib_fails_before_training(tmp_path, capsys, monkeypatch):
+    from lightning_mp.tools.compare import main
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    with pytest.raises(SystemExit) as exit_:
+        main(["--modes", "fp32", "--plot", str(tmp_path / "out.png")])
+    assert exit_.value.code == 2
+    assert "needs matplotlib" in capsys.readouterr().err
