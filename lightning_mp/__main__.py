@@ -17,14 +17,20 @@ COMMANDS = {
 
 
 def version_text() -> str:
-    """``lightning-mp 0.1.0 (torch 2.13.0+cpu, lightning 2.6.6, Python 3.11.7)``: what a bug report needs."""
-    import lightning
-    import torch
+    """``lightning-mp 0.1.0 (torch 2.13.0+cpu, lightning 2.6.6, Python 3.11.7)``: what a bug report needs (read from
+    the installed packages' metadata, without importing torch or Lightning: instant)."""
+    from importlib.metadata import PackageNotFoundError, version
 
     import lightning_mp
 
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
     python = ".".join(str(v) for v in sys.version_info[:3])
-    versions = f"torch {torch.__version__}, lightning {lightning.__version__}, Python {python}"
+    versions = f"torch {installed('torch')}, lightning {installed('lightning')}, Python {python}"
     return f"lightning-mp {lightning_mp.__version__} ({versions})"
 
 

@@ -75,3 +75,20 @@ def test_plot_without_matplotlib_fails_before_training(tmp_path, capsys, monkeyp
         main(["--modes", "fp32", "--plot", str(tmp_path / "out.png")])
     assert exit_.value.code == 2
     assert "needs matplotlib" in capsys.readouterr().err
+
+
+def test_version_is_instant_and_import_loads_no_torch():
+    """``import lightning_mp`` (and so ``--version``) loads neither torch nor Lightning; every export still resolves."""
+    code = (
+        "import sys, lightning_mp\n"
+        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy import'\n"
+        "from lightning_mp.__main__ import version_text\n"
+        "print(version_text())\n"
+        "assert 'torch' not in sys.modules\n"
+        "assert set(lightning_mp._SOURCES) == set(lightning_mp.__all__)\n"
+        "for name in lightning_mp.__all__: getattr(lightning_mp, name)\n"
+        "from lightning_mp import *\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("lightning-mp ") and "torch " in done.stdout and "lightning " in done.stdout
