@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and documentation too
     from lightning_mp.scaling import DynamicLossScaler
     from lightning_mp.stats import NonFiniteTrainingError, StepStats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"  # 0.1.0 and the changes under [Unreleased] in CHANGELOG.md
 
 
 __all__ = [
