@@ -17,8 +17,8 @@ COMMANDS = {
 
 
 def version_text() -> str:
-    """``lightning-mp 0.2.0.dev0 (torch 2.13.0+cpu, lightning 2.6.6, Python 3.11.7)``: what a bug report needs (read from
-    the installed packages' metadata, without importing torch or Lightning: instant)."""
+    """``lightning-mp 0.2.0.dev0 (torch 2.13.0+cpu, lightning 2.6.6, Python 3.11.7)``: what a bug report needs
+    (read from the installed packages' metadata, without importing torch or Lightning: instant)."""
     from importlib.metadata import PackageNotFoundError, version
 
     import lightning_mp
