@@ -51,6 +51,7 @@ Example (a plain loop; :class:`lightning_mp.MPPlugin` does all of this from Ligh
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
@@ -598,11 +599,25 @@ def _upcast_eager_state(optimizer: Optimizer) -> None:
                         values[key] = value.float()
 
 
+#: optimizer -> the optimizers it wraps (found once per optimizer: the swaps read it on every step)
+_WRAPPED: "weakref.WeakKeyDictionary[Optimizer, tuple[Optimizer, ...]]" = weakref.WeakKeyDictionary()
+
+
+def wrapped_optimizers(optimizer: Optimizer) -> tuple[Optimizer, ...]:
+    """The optimizers ``optimizer`` wraps over the same parameters (SAM's ``base_optimizer``), found once."""
+    inner = _WRAPPED.get(optimizer)
+    if inner is None:
+        inner = _WRAPPED[optimizer] = tuple(
+            o for o in vars(optimizer).values() if isinstance(o, Optimizer) and o is not optimizer
+        )
+    return inner
+
+
 def _states_of(optimizer: Optimizer) -> list[dict]:
-    """The state of ``optimizer`` and of any optimizer it wraps over the same parameters (SAM's
-    ``base_optimizer``): all are keyed by the parameters, so all follow a swap."""
-    inner = [o.state for o in vars(optimizer).values() if isinstance(o, Optimizer) and o is not optimizer]
-    return [optimizer.state, *inner] if inner else [optimizer.state]
+    """The state of ``optimizer`` and of the optimizers it wraps: all are keyed by the parameters, so all follow a
+    swap (read each time: ``load_state_dict`` replaces an optimizer's state dict)."""
+    inner = wrapped_optimizers(optimizer)
+    return [optimizer.state, *(o.state for o in inner)] if inner else [optimizer.state]
 
 
 def _grad_stamp(param: Tensor) -> Optional[tuple[int, int]]:
@@ -658,9 +673,9 @@ class FP32MasterWeights(MasterWeights):
     def _rederive(self, entry: _Entry) -> None:
         with torch.no_grad():
             weight, master = entry.param.detach(), cast(Tensor, entry.held).detach()
-            if master.shape == weight.shape and torch.equal(master.to(weight.dtype), weight):
-                return  # written with the value it had (Embedding(max_norm=...) renormalising in place): keep the bits
-            master.copy_(weight)
+            # elements written with the value they had (Embedding(max_norm=...) renormalises in place on every
+            # forward) keep their master's low bits; the others start from the weight. On the device: no sync
+            master.copy_(torch.where(master.to(weight.dtype) == weight, master, weight.float()))
 
     def _standin(self, entry: _Entry) -> nn.Parameter:
         held = cast(nn.Parameter, entry.held)  # the fp32 kind's masters are Parameters (_new_held)

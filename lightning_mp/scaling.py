@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Optional, cast
@@ -785,11 +786,10 @@ class PlannedCheck:
         if not params:
             return None
         device, dtype = params[0].device, params[0].dtype
+        if not dtype.is_floating_point:  # (complex is not floating point: complex parameters take the general check)
+            return None
         for p in params:
-            if (
-                p.device != device or p.dtype != dtype or p.layout is not torch.strided or p.is_complex()
-                or _is_dtensor(p) or not (dtype.is_floating_point)
-            ):
+            if p.device != device or p.dtype != dtype or p.layout is not torch.strided or _is_dtensor(p):
                 return None
         return cls(params, dtype, sum(p.numel() for p in params), len(every))
 
@@ -861,8 +861,19 @@ class _RealGradients:
         self.param_groups = groups
 
 
+#: optimizer -> (its parameter count, whether any parameter is complex): unscale_ asks on every fp16 step
+_COMPLEX: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]]" = weakref.WeakKeyDictionary()
+
+
 def _has_complex_grads(optimizer: torch.optim.Optimizer) -> bool:
-    return any(p.grad is not None and p.grad.is_complex() for g in optimizer.param_groups for p in g["params"])
+    """Whether a parameter (so its gradient) is complex; found once per parameter set, not on every step."""
+    count = PlannedCheck.count_of(optimizer)
+    known = _COMPLEX.get(optimizer)
+    if known is None or known[0] != count:
+        known = _COMPLEX[optimizer] = (
+            count, any(p.is_complex() for group in optimizer.param_groups for p in group["params"])
+        )
+    return known[1]
 
 
 #: check-only device outcomes kept before they are folded into the counters

@@ -50,7 +50,7 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mp.buffers import BufferSnapshot
 from lightning_mp.distributed import FP32SumReduction, grads_synced
-from lightning_mp.master import MasterWeights, StepRecords
+from lightning_mp.master import MasterWeights, StepRecords, wrapped_optimizers
 from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
 from lightning_mp.scaling import DynamicLossScaler, PlannedCheck
@@ -173,11 +173,11 @@ class OptimizerSteps:
         return isinstance(batch_idx, int) and batch_idx % max(1, self._accumulate()) == 0
 
     def _accumulate(self) -> int:
+        # read each time: GradientAccumulationScheduler changes it during training
         return getattr(self._trainer, "accumulate_grad_batches", 1)
 
     def _accumulating(self) -> bool:
-        # read each time: GradientAccumulationScheduler changes it during training
-        return getattr(self._trainer, "accumulate_grad_batches", 1) > 1
+        return self._accumulate() > 1
 
     def _state(self, optimizer: Optimizer) -> _OptimizerState:
         state = self._optimizers.get(id(optimizer))
@@ -249,10 +249,11 @@ class OptimizerSteps:
     ) -> Any:
         """One optimizer step (stages 1–8). ``hooks_and_clipping`` runs ``on_before_optimizer_step`` and clipping."""
         state = self._state(optimizer)
-        plan = state.plan or self._plan(state, model, closure)
+        plan = state.plan or self._plan(state, model)
         if plan is _CHECK_ONLY or plan is _CHECK_ONLY_FUSED:
             return self._run_check_only(optimizer, state, model, closure, hooks_and_clipping, kwargs)
-        if plan is _CLOSURE or self._takes_closure(optimizer, model, closure):
+        # (manual optimization: a closure given to opt.step() is evaluated inside the step, as Lightning does)
+        if plan is _CLOSURE or (not model.automatic_optimization and closure is not do_nothing_closure):
             return self._run_with_closure(optimizer, model, closure, hooks_and_clipping, **kwargs)
         closure()  # (a training_step that returned None still steps with the gradients there are, as Lightning does)
         try:
@@ -263,7 +264,7 @@ class OptimizerSteps:
             if state.stage is Stage.PREPARED:
                 self._abandon(state)  # an error inside the step
 
-    def _plan(self, state: _OptimizerState, model: LightningModule, closure: Callable[[], Any]) -> str:
+    def _plan(self, state: _OptimizerState, model: LightningModule) -> str:
         """Decide once what this optimizer's steps do (kept until the scaler or the optimizers change).
 
         ``_CLOSURE``: the optimizer evaluates the closure itself (see :func:`evaluates_closure`), as Lightning hands
@@ -293,8 +294,7 @@ class OptimizerSteps:
             state.check = PlannedCheck.of(optimizer)
         else:
             plan = _GENERAL
-        if model.automatic_optimization:  # (manual optimization: the closure decides at each step)
-            state.plan = plan
+        state.plan = plan
         return plan
 
     def _run_check_only(
@@ -570,12 +570,6 @@ class OptimizerSteps:
         state.stage = Stage.READY
 
     # ------------------------------------------------------------------ closure-taking optimizers
-    @staticmethod
-    def _takes_closure(optimizer: Optimizer, model: LightningModule, closure: Callable[[], Any]) -> bool:
-        if evaluates_closure(optimizer):
-            return True
-        return not model.automatic_optimization and closure is not do_nothing_closure
-
     def _run_with_closure(
         self,
         optimizer: Optimizer,
@@ -607,8 +601,7 @@ class OptimizerSteps:
         if scaler is not None:  # what a skip restores
             saved = [t.detach().clone() for t in (*stepped, *model_params)]
             # (an optimizer that wraps another, SAM's base_optimizer, keeps the moments there)
-            inner = (o for o in vars(optimizer).values() if isinstance(o, Optimizer) and o is not optimizer)
-            owners = [optimizer, *inner]
+            owners = [optimizer, *wrapped_optimizers(optimizer)]
             saved_states = [copy.deepcopy(owner.state_dict()["state"]) for owner in owners]
         bad: list[Tensor] = []
 
