@@ -337,7 +337,7 @@ def train_one(mode: str, seed: int, args: argparse.Namespace, corpus: dict[str, 
         "mode": mode, "precision": precision, "plugin_kwargs": kwargs, "seed": seed, "status": "ok", "reason": None,
         "config": cfg, "corpus": corpus["facts"], "device": device_name(device), "device_type": device,
         "torch": torch.__version__, "lightning": lightning.__version__, "lightning_mp": lightning_mp.__version__,
-        "python": platform.python_version(),
+        "python": platform.python_version(), "concurrent_runs": args.concurrent,
     }
     why = unsupported_reason(mode, device)
     if why is not None:
@@ -628,6 +628,8 @@ def parse_args(argv: Optional[list[str]]) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for the run (default: torch's)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "convergence"),
                    help="run directory (default benchmarks/results/convergence)")
+    p.add_argument("--concurrent", type=int, default=1,
+                   help="how many runs share the device (recorded with each run: wall times compare only at equal N)")
     p.add_argument("--max-minutes", type=float, default=None, help="start no new run after this many minutes")
     p.add_argument("--report", action="store_true", help="only write the summary and the plot from OUT/runs")
     args = p.parse_args(argv)
