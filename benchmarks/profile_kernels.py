@@ -31,24 +31,35 @@ from lightning_mp import MPPlugin  # noqa: E402
 LIGHTNING = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true"}
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Sync(Callback):
     def __init__(self, warmup: int) -> None:
         self.warmup, self.t0, self.t1 = warmup, 0.0, 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.warmup:
-            torch.cuda.synchronize()
+            _sync()
             self.t0 = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module):
-        torch.cuda.synchronize()
+        _sync()
         self.t1 = time.perf_counter()
 
 
 def fit(mode: str, model, batches, steps: int, warmup: int, prof: bool = False):
-    kwargs = {"precision": mode[4:]} if mode.startswith("lit-") else {"plugins": [MPPlugin(mode)]}
+    if mode.startswith("lit-"):
+        kwargs = {"precision": mode[4:]}
+    else:  # "bf16-true", or variants such as "bf16-true/master_weights=none/fp32_modules=none"
+        name, *options = mode.split("/")
+        kw = dict(o.split("=") for o in options)
+        kwargs = {"plugins": [MPPlugin(name, **{k: [] if v == "none" and k == "fp32_modules" else v
+                                                for k, v in kw.items()})]}
     sync = Sync(warmup)
-    trainer = Trainer(accelerator="gpu", devices=1, max_steps=warmup + steps, logger=False,
+    trainer = Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, max_steps=warmup + steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[sync], **kwargs)
     lit = bhc.Lit(model, batches, "gpt", True)
@@ -58,7 +69,22 @@ def fit(mode: str, model, batches, steps: int, warmup: int, prof: bool = False):
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         trainer.fit(lit)
     kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return None, kernels
+    ops = {a.key: (a.count, a.self_cpu_time_total) for a in p.key_averages()}
+    return None, (kernels, ops)
+
+
+def busy_ms(kernels) -> float:
+    """The GPU's busy time: the union of the kernels' intervals (overlapping kernels counted once)."""
+    spans = sorted((k.time_range.start, k.time_range.end) for k in kernels)
+    total, end = 0, None
+    for a, b in spans:
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e3
 
 
 def main() -> None:
@@ -71,24 +97,43 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     batches = bhc.make_batches("gpt", args.steps + 10)
     rows = []
+    counts, times, cpu = {}, {}, {}
     for ours in args.pairs.split(","):
-        counts = {}
-        for mode in (f"lit-{LIGHTNING[ours]}", ours):
-            model = bhc.build("gpt", torch.device("cuda"))
+        for mode in (f"lit-{LIGHTNING[ours.split('/')[0]]}", ours):
+            if mode in counts:
+                continue
+            model = bhc.build("gpt", torch.device("cpu"))
             fit(mode, model, batches, 10, 5)
             wall = sorted(fit(mode, model, batches, args.steps, 5)[0] for _ in range(3))[1]
-            _, kernels = fit(mode, model, batches, args.steps, 0, prof=True)
+            _, (kernels, ops) = fit(mode, model, batches, args.steps, 0, prof=True)
             n = args.steps
-            busy = sum(k.time_range.elapsed_us() for k in kernels) / n / 1e3  # ms a step
+            busy = busy_ms(kernels) / n
             counts[mode] = collections.Counter(k.name for k in kernels)
+            ktime = collections.Counter()
+            for k in kernels:
+                ktime[k.name] += k.time_range.elapsed_us() / n
+            times[mode], cpu[mode] = ktime, ops
             rows.append((mode, wall * 1e3, busy, len(kernels) / n))
-        lit, mine = counts[f"lit-{LIGHTNING[ours]}"], counts[ours]
+        base = f"lit-{LIGHTNING[ours.split('/')[0]]}"
+        lit, mine = counts[base], counts[ours]
         extra = sorted(((mine[k] - lit.get(k, 0)) / args.steps, k) for k in set(mine) | set(lit))
-        print(f"\n{ours}: kernels a step launched more (+) or fewer (-) than Lightning's {LIGHTNING[ours]}:")
+        print(f"\n{ours}: kernels a step launched more (+) or fewer (-) than Lightning's {base[4:]}:")
         for d, name in sorted(extra, reverse=True)[: args.top] + sorted(extra)[:3]:
             if d:
                 print(f"  {d:+6.1f}  {name[:110]}")
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}; {args.steps} steps a fit")
+        lt, mt = times[base], times[ours]
+        dt = sorted(((mt[k] - lt.get(k, 0), k) for k in set(mt) | set(lt)), reverse=True)
+        print(f"{ours}: GPU time a step (us) more than Lightning's, by kernel:")
+        for d, name in dt[:8]:
+            print(f"  {d:+8.1f}  {name[:110]}")
+        lc, mc = cpu[base], cpu[ours]
+        dc = sorted((((mc.get(k, (0, 0))[1] - lc.get(k, (0, 0))[1]) / args.steps, k,
+                      (mc.get(k, (0, 0))[0] - lc.get(k, (0, 0))[0]) / args.steps) for k in set(mc) | set(lc)),
+                    reverse=True)
+        print(f"{ours}: host (self CPU) time a step (us) more than Lightning's, by op, with calls a step:")
+        for d, name, c in dc[: args.top]:
+            print(f"  {d:+8.1f}  {c:+6.1f}  {name[:100]}")
+    print(f"\n{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}; {args.steps} steps a fit")
     print("| mode | wall ms a step | GPU busy ms a step | kernels a step |")
     print("|---|---|---|---|")
     for mode, wall, busy, k in rows:

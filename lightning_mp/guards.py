@@ -396,10 +396,13 @@ def _fused_layer_norm() -> Any:
     return fn
 
 
-#: inputs with fewer elements take :class:`_UpcastLayerNorm` instead of the compiled kernel: a call of the compiled
+#: inputs with fewer elements take the composite upcast instead of the compiled kernel: a call of the compiled
 #: function costs ~0.8 ms of host time for forward and backward (measured on an H100, benchmarks/probe_layer_norm.py),
-#: which a model this small cannot hide behind the GPU, while the upcast's extra memory traffic is small there
+#: which a model this small cannot hide behind the GPU, while the upcast's extra memory traffic is small there. The
+#: same size decides, under autocast, where a plain LayerNorm's guard leaves the fp32 computation to autocast
 COMPILED_LAYER_NORM_MIN_NUMEL = 1 << 22
+#: an entry of ``FP32Guard._open``: a plain LayerNorm under autocast, which runs it in fp32 itself
+_AUTOCAST_RUNS_IT: tuple = ()
 
 
 class _UpcastLayerNorm(torch.autograd.Function):
@@ -429,12 +432,17 @@ class _UpcastLayerNorm(torch.autograd.Function):
 
 
 def _fused_layer_norm_forward(self: nn.LayerNorm, input: Tensor) -> Tensor:
-    """A guarded LayerNorm on a 16-bit input with fp32 weights, outside autocast (its guard's pre-hook chose this):
-    the compiled fp32 kernel for large inputs on CUDA, else :class:`_UpcastLayerNorm`."""
+    """A guarded LayerNorm on a 16-bit input with fp32 weights, outside autocast (its guard's pre-hook chose this).
+
+    Inputs below :data:`COMPILED_LAYER_NORM_MIN_NUMEL` elements (and torch.func transforms): the composite
+    ``layer_norm(x.float(), fp32 weights).to(x.dtype)``, whose autograd nodes are torch's own (no Python in
+    backward; it keeps the fp32 copy of the input for backward, at most 16 MB at this size). Larger ones: the
+    compiled fp32 kernel on CUDA, else :class:`_UpcastLayerNorm` (it keeps the 16-bit input instead). All three
+    compute the same values and gradients."""
     shape = tuple(self.normalized_shape)
-    if _functorch_active():  # torch.func transforms (vmap, grad): the composite ops, which they all support
+    if input.numel() < COMPILED_LAYER_NORM_MIN_NUMEL or _functorch_active():
         return _layer_norm_fp32(input, self.weight, self.bias, self.eps, shape)
-    if input.numel() < COMPILED_LAYER_NORM_MIN_NUMEL or not fused_layer_norm_available(input):
+    if not fused_layer_norm_available(input):
         return _UpcastLayerNorm.apply(input, self.weight, self.bias, self.eps, shape)
     try:
         return _fused_layer_norm()(input, self.weight, self.bias, self.eps, shape)
@@ -584,15 +592,28 @@ class FP32Guard:
         self.handles: list[Any] = []
         #: one entry per open call: ``None`` (the compiled LayerNorm kernel runs), ``(_EagerRegion, (), back)`` (eager
         #: fp32 region) or ``(None, devices, back)`` (dynamo tracing: the forward runs with autocast off on ``devices``)
-        self._open: list[Optional[tuple[Optional[_EagerRegion], tuple[str, ...], Optional[torch.dtype]]]] = []
+        #: or ``_AUTOCAST_RUNS_IT`` (a plain LayerNorm under autocast, which runs it in fp32 itself: nothing to do)
+        self._open: list[Optional[tuple[Any, ...]]] = []
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         default = torch.get_default_dtype()  # the model's compute dtype (before the fp32 region makes it fp32)
         if _compiling():
             return self._before_compiling(args, kwargs, default)
-        if self.fused_layer_norm and len(args) == 1 and not kwargs and self._fused_fits(module, args[0]):
-            self._open.append(None)  # the module's forward runs the compiled fp32 kernel on the 16-bit input
-            return None
+        if self.fused_layer_norm and len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
+            x = args[0]
+            if _autocast_enabled():
+                if x.dtype == torch.float32 or (
+                    x.dtype in _LOW and x.is_cuda and torch.is_autocast_enabled("cuda")
+                    and x.numel() < COMPILED_LAYER_NORM_MIN_NUMEL
+                ):
+                    # autocast keeps an fp32 input's layer_norm fp32, and on CUDA runs a 16-bit one in fp32 too
+                    # (input cast to fp32, fp32 out; the CPU's autocast does not): the region would compute the
+                    # same, and its one gain, keeping a 16-bit input for backward, is small at this size
+                    self._open.append(_AUTOCAST_RUNS_IT)
+                    return None
+            elif self._fused_fits(module, x):
+                self._open.append(None)  # the module's forward runs the fp32 kernel on the 16-bit input
+                return None
         low: list[torch.dtype] = []
         upcasts: dict[int, tuple[Tensor, int, Tensor, int]] = {}  # id(fp32 copy) -> (copy, version, original, version)
         saving = _saving_for_backward()  # inference tensors (inference mode) have no version counter
@@ -641,7 +662,7 @@ class FP32Guard:
         if not self._open:
             return None
         opened = self._open.pop()
-        if opened is None:  # the compiled kernel ran: its output is in the input's dtype already
+        if not opened:  # the fp32 kernel ran (its output is in the input's dtype already), or autocast's own
             return None
         region, _, back = opened
         if region is not None:

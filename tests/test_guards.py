@@ -515,12 +515,17 @@ def test_a_failing_compiled_kernel_falls_back_to_the_eager_upcast(fused_stand_in
 
 @pytest.mark.parametrize("affine", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_small_guarded_layer_norms_run_one_autograd_node_with_the_upcast_paths_values(dtype, affine):
-    """Below the compiled kernel's size (and on the CPU) a guarded nn.LayerNorm on a 16-bit input runs
-    layer_norm(x.float(), fp32 weights).to(x.dtype) as one autograd node, without the hooks' fp32 region: the same
-    output and gradients, bit for bit, as the eager upcast path, with or without a grad on the input."""
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_guarded_layer_norms_skip_the_region_with_the_upcast_paths_values(dtype, affine, size, monkeypatch):
+    """A guarded nn.LayerNorm on a 16-bit input, without autocast, runs layer_norm(x.float(), fp32 weights)
+    .to(x.dtype) without the hooks' fp32 region: below the compiled kernel's size as torch's composite ops (their own
+    autograd nodes, no Python in backward), above it (on the CPU, no compiled kernel) as one autograd node that keeps
+    the 16-bit input. Both give the same output and gradients, bit for bit, as the eager upcast path, with or without
+    a grad on the input."""
     from lightning_mp import guards
 
+    if size == "large":
+        monkeypatch.setattr(guards, "COMPILED_LAYER_NORM_MIN_NUMEL", 0)
     fast = nn.Sequential(nn.LayerNorm(64, elementwise_affine=affine))
     eager = nn.Sequential(OwnForwardLayerNorm(64, elementwise_affine=affine))
     for m in (fast, eager):
@@ -534,7 +539,8 @@ def test_small_guarded_layer_norms_run_one_autograd_node_with_the_upcast_paths_v
     fast[0].register_forward_pre_hook(lambda m, a: seen.append(a[0].dtype))
     x = (torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 4 + 1).to(dtype)
     out = fast(x.clone().requires_grad_(True))
-    assert seen == [dtype] and out.dtype is dtype and out.grad_fn.name().endswith("_UpcastLayerNormBackward")
+    node = "_UpcastLayerNormBackward" if size == "large" else "ToCopyBackward0"
+    assert seen == [dtype] and out.dtype is dtype and out.grad_fn.name().endswith(node)
     assert torch.equal(out, eager(x))
     for a, b in zip(_grads(fast, x), _grads(eager, x)):
         assert torch.equal(a, b)
@@ -547,7 +553,31 @@ def test_small_guarded_layer_norms_run_one_autograd_node_with_the_upcast_paths_v
         assert torch.equal(fast[0].weight.grad, eager[0].weight.grad) and fast[0].weight.grad.dtype is torch.float32
     with torch.inference_mode():
         assert torch.equal(fast(x), eager(x))
-    assert guards.COMPILED_LAYER_NORM_MIN_NUMEL > x.numel()
+    assert (guards.COMPILED_LAYER_NORM_MIN_NUMEL > x.numel()) is (size == "small")
+
+
+def test_a_plain_layer_norm_under_autocast_leaves_fp32_to_autocast_with_the_regions_values():
+    """Under autocast a guarded plain nn.LayerNorm on an fp32 input opens no fp32 region (autocast keeps an fp32
+    layer_norm in fp32 itself): the same fp32 output and gradients as the region's path, bit for bit."""
+    fast, eager = _guarded_norm(), _guarded_norm(OwnForwardLayerNorm)
+    eager.load_state_dict(fast.state_dict())
+    guard = fp32_guard_of(fast[0])
+    regions = []
+    fast[0].register_forward_pre_hook(lambda m, a: regions.append(len(guard._open)))
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 4 + 1
+    outs, grads = [], []
+    for model in (fast, eager):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(xi)
+        out.backward(torch.arange(64.0).expand(16, 64))
+        outs.append(out)
+        grads.append((xi.grad, model[0].weight.grad, model[0].bias.grad))
+    assert outs[0].dtype is torch.float32 and torch.equal(outs[0], outs[1])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert regions == [1] and guard._open == []  # its entry said "autocast runs it", and the forward hook took it
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a 16-bit input on the CPU: CPU autocast keeps it 16-bit,
+        assert fast(x.bfloat16()).dtype is torch.float32  # so the region runs, as before
 
 
 def test_only_plain_layer_norms_get_the_compiled_forward():
