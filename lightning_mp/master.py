@@ -224,6 +224,8 @@ class StepRecords:
     swapped: bool = False
     #: with ``gather(check=True)``: 1.0 if a gradient the step would apply holds an inf/NaN (``None``: not checked)
     found: Optional[Tensor] = None
+    #: the optimizer's :class:`_Layout` where the step took the planned path (``FP32MasterWeights``)
+    layout: Optional["_Layout"] = None
 
 
 class MasterWeights:
@@ -243,6 +245,10 @@ class MasterWeights:
         self._hooked: set[int] = set()  # optimizers whose state loading keeps fp32
         self._standins: dict[int, Tensor] = {}  # id(stand-in) -> half param, while a step runs
         self.dtype: Optional[torch.dtype] = None
+        #: changes whenever an entry is made or dropped (a layout made before is stale)
+        self._generation = 0
+        #: whether fp32 sums of earlier micro-batches may be pending (``carry_grads_``)
+        self._carrying = False
 
     # ------------------------------------------------------------------ set-up
     def attach(self, optimizer: Optimizer, module: Optional[nn.Module] = None) -> int:
@@ -273,6 +279,7 @@ class MasterWeights:
         ids = {id(p) for p in keep}
         for pid in [pid for pid in self._entries if pid not in ids]:
             del self._entries[pid]
+            self._generation += 1
 
     def _entry(self, param: Tensor) -> _Entry:
         entry = self._entries.get(id(param))
@@ -288,6 +295,7 @@ class MasterWeights:
             entry = _Entry(param, self._new_held(param, original), stamp(param))
             forget_fp32_original(param)
             self._entries[id(param)] = entry
+            self._generation += 1
         elif entry.stamp != stamp(param):
             # written by someone else since our last write: the parameter is the truth
             self._rederive(entry)
@@ -317,6 +325,7 @@ class MasterWeights:
             if grad is None or param.dtype not in _HALF:
                 continue
             entry = self._entry(param)
+            self._carrying = True
             if entry.acc is None or grad.is_sparse or entry.acc.is_sparse:
                 entry.acc = grad.float() if entry.acc is None else entry.acc + grad.float()
             else:
@@ -330,6 +339,7 @@ class MasterWeights:
         """Forget the fp32 sums carried so far (a window that never stepped: Lightning zeroed its gradients)."""
         for entry in self._entries.values():
             entry.acc = None
+        self._carrying = False
 
     def pending_sums(self) -> list[Tensor]:
         """The fp32 sums carried so far (to be reduced across ranks under DDP's ``no_sync``)."""
@@ -391,6 +401,8 @@ class MasterWeights:
                             numel += g32.numel()
             if dst:
                 torch._foreach_copy_(dst, src)
+        if self._carrying:
+            self._carrying = any(e.acc is not None for e in self._entries.values())
         if check and checked:
             devices = {t.device for tensors in checked.values() for t in tensors}
             if len(devices) == 1:
@@ -657,10 +669,154 @@ def _keep_state_fp32_on_load(optimizer: Optimizer) -> None:
     optimizer.register_load_state_dict_post_hook(after_load)
 
 
+@dataclass
+class _Layout:
+    """One optimizer's half parameters as the planned step takes them (made once, kept while the parameter set, the
+    entries and the parameters' storages stay): in param-group order, with their entries, their step records (reused
+    step after step) and aliases of the weights and masters for the write-back."""
+
+    ids: tuple[tuple[int, ...], ...]  # ids of every group's params when made (the params are held below)
+    lists: tuple[list, ...]  # the groups' params lists themselves (the records swap inside them)
+    generation: int
+    half: list[Tensor]
+    entries: list[_Entry]
+    records: list[StepRecord]
+    others: list[Tensor]  # the optimizer's other parameters: their gradients join the check
+    total: int  # their elements
+    device: torch.device
+    ptrs: list[int]  # the half parameters' storages when made
+    dst: list[Tensor]  # ``param.data`` aliases: written without a version bump, as before
+    src: list[Tensor]  # the masters' ``.data``
+    standins: dict[int, Tensor]  # id(master) -> half param
+
+
 class FP32MasterWeights(MasterWeights):
-    """fp32 master copies that the optimizer steps; half weights are written from them after each step."""
+    """fp32 master copies that the optimizer steps; half weights are written from them after each step.
+
+    The step's common case takes a planned path (:meth:`_gather_planned`): one optimizer's half parameters, all on
+    one device, with dense gradients and no fp32 sums pending. Its layout is made once (rebuilt when the parameter
+    set, the entries or a parameter's storage change); a step then reads the gradients and stamps in list passes,
+    fills the fp32 gradients with one multi-tensor copy, checks them in one multi-tensor kernel beside the other
+    gradients, and writes the weights back with one multi-tensor copy, reusing its step records. Anything else
+    (sparse gradients, parameters without a gradient, gradient accumulation's sums, several devices) takes the
+    general path, with the same results.
+    """
 
     kind = "fp32"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: optimizer -> its layout (None: not plannable)
+        self._layouts: "weakref.WeakKeyDictionary[Optimizer, Optional[_Layout]]" = weakref.WeakKeyDictionary()
+
+    def gather(self, optimizer: Optimizer, *, check: bool = False) -> StepRecords:
+        out = None if self._carrying else self._gather_planned(optimizer, check)
+        return out if out is not None else super().gather(optimizer, check=check)
+
+    def _layout(self, optimizer: Optimizer) -> Optional[_Layout]:
+        groups = optimizer.param_groups
+        ids = tuple(tuple(map(id, group["params"])) for group in groups)
+        layout = self._layouts.get(optimizer)
+        if (
+            layout is not None
+            and layout.ids == ids
+            and layout.generation == self._generation
+            and all(group["params"] is params for group, params in zip(groups, layout.lists))
+        ):
+            return layout
+        layout = self._layouts[optimizer] = self._make_layout(optimizer, ids)
+        return layout
+
+    def _make_layout(self, optimizer: Optimizer, ids: tuple[tuple[int, ...], ...]) -> Optional[_Layout]:
+        half, entries, records, others = [], [], [], []
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                if not (isinstance(param, Tensor) and param.dtype in _HALF):
+                    others.append(param)
+                    continue
+                entry = self._entry(param)
+                held = cast(nn.Parameter, entry.held)
+                half.append(param)
+                entries.append(entry)
+                records.append(StepRecord(params, i, param, held))
+        devices = {p.device for p in half}
+        if len(devices) != 1 or any(type(p) not in (Tensor, nn.Parameter) or p.layout is not torch.strided
+                                    for p in half):
+            return None
+        return _Layout(
+            ids=ids, lists=tuple(group["params"] for group in optimizer.param_groups), generation=self._generation,
+            half=half, entries=entries, records=records, others=others,
+            total=sum(p.numel() for p in half), device=devices.pop(),
+            ptrs=[p.data_ptr() for p in half], dst=[p.data for p in half],
+            src=[cast(Tensor, e.held).data for e in entries],
+            standins={id(r.standin): r.param for r in records},
+        )
+
+    def _gather_planned(self, optimizer: Optimizer, check: bool) -> Optional[StepRecords]:
+        """:meth:`gather` where every half parameter of ``optimizer`` has a dense gradient (else ``None``)."""
+        layout = self._layout(optimizer)
+        if layout is None:
+            return None
+        half, entries = layout.half, layout.entries
+        maybe = [p.grad for p in half]
+        for grad in maybe:
+            if grad is None or type(grad) is not Tensor or grad.layout is not torch.strided:
+                return None
+        grads = cast(list[Tensor], maybe)  # (each checked above)
+        now = [(p.data_ptr(), p._version) for p in half]
+        if now != [e.stamp for e in entries]:
+            if [n[0] for n in now] != layout.ptrs:  # a storage replaced: aliases and layout made again
+                self._layouts.pop(optimizer, None)
+                return None
+            for param, entry, n in zip(half, entries, now):
+                if entry.stamp != n:  # written by someone else since our last write: the parameter is the truth
+                    self._rederive(entry)
+                    entry.stamp = n
+        with torch.no_grad():
+            # (one allocation a gradient: views of one flat buffer cost more host time than the caching allocator)
+            g32 = [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
+            torch._foreach_copy_(g32, grads)
+        for r, view, grad in zip(layout.records, g32, grads):
+            standin = r.standin
+            if standin.requires_grad is not r.param.requires_grad:
+                standin.requires_grad_(r.param.requires_grad)
+            standin.grad = view
+            r.grad_seen = (id(grad), grad._version)
+        self._standins.update(layout.standins)
+        out = StepRecords(optimizer, layout.records, layout=layout)
+        if check:
+            checked = list(g32)
+            numel = layout.total
+            for param in layout.others:
+                grad = getattr(param, "grad", None)
+                if grad is None:
+                    continue
+                if type(grad) is not Tensor or grad.is_sparse or grad.dtype != torch.float32 \
+                        or grad.device != layout.device:
+                    return out  # not checked here: the general check runs (found stays None)
+                checked.append(grad)
+                numel += grad.numel()
+            out.found = torch.zeros((), dtype=torch.float32, device=layout.device)
+            check_tensors_({torch.float32: checked}, numel, out.found)
+        return out
+
+    def write_back(self, records: StepRecords, *, skipped: Optional[bool], found_inf: Optional[Tensor] = None) -> None:
+        layout = records.layout
+        if layout is None:
+            return super().write_back(records, skipped=skipped, found_inf=found_inf)
+        if skipped is not True:
+            # (on a step skipped on the device the masters did not move: the copy writes the same values; a master
+            # whose gradient a hook dropped did not move either, and its weight is its rounding already)
+            with torch.no_grad():
+                torch._foreach_copy_(layout.dst, layout.src)
+        for r in layout.records:
+            r.standin.grad = None
+        standins = self._standins
+        for key in layout.standins:
+            standins.pop(key, None)
+        for param, entry in zip(layout.half, layout.entries):
+            entry.stamp = (param.data_ptr(), param._version)
 
     def _new_held(self, param: Tensor, original: Optional[Tensor]) -> Tensor:
         if original is not None:

@@ -1,0 +1,117 @@
+"""The fp32 masters' planned step (one layout per optimizer, made once) against the general path, through a Trainer.
+
+Every case runs twice from the same weights and batches: once as it runs, once with the planned path turned off;
+weights, masters and optimizer state must be bit-identical after every step, skipped steps included.
+"""
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+
+from lightning_mp import MPPlugin
+from lightning_mp import master as master_module
+
+
+class Net(LightningModule):
+    def __init__(self, poison_at=(), write_at=(), new_group_at=None, fused=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
+        self.late = nn.Linear(4, 4)
+        self.poison_at, self.write_at, self.new_group_at = set(poison_at), set(write_at), new_group_at
+        self.seen_layouts = []
+
+    def training_step(self, batch, i):
+        x, y = batch
+        out = self.body(x)
+        if self.new_group_at is not None and i >= self.new_group_at:
+            out = self.late(out)
+        loss = nn.functional.mse_loss(out.float(), y)
+        return loss * float("nan") if i in self.poison_at else loss
+
+    def on_train_batch_start(self, batch, i):
+        if i in self.write_at:  # a weight written from outside the step (an EMA swap, a pruning callback)
+            with torch.no_grad():
+                self.body[0].weight.mul_(0.5)
+        if self.new_group_at is not None and i == self.new_group_at:
+            self.trainer.optimizers[0].add_param_group({"params": list(self.late.parameters())})
+
+    def on_before_optimizer_step(self, optimizer):
+        masters = self.trainer.precision_plugin.masters
+        self.seen_layouts.append(masters._layouts.get(optimizer) is not None if masters is not None else None)
+
+    def configure_optimizers(self):
+        params = self.body.parameters() if self.new_group_at is not None else self.parameters()
+        return torch.optim.AdamW(params, lr=1e-2)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = [(torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)) for _ in range(8)]
+        return torch.utils.data.DataLoader(data, batch_size=None)
+
+
+def _fit(monkeypatch, planned, steps=8, **kwargs):
+    with monkeypatch.context() as m:
+        if not planned:
+            m.setattr(master_module.FP32MasterWeights, "_gather_planned", lambda self, opt, check: None)
+        model = Net(**kwargs)
+        plugin = MPPlugin("bf16-true")
+        trainer = Trainer(accelerator="cpu", devices=1, max_steps=steps, plugins=[plugin], logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model)
+    opt = trainer.optimizers[0]
+    state = [(k, v.clone()) for p in opt.state for k, v in opt.state[p].items()]
+    masters = {n: t.clone() for n, t in plugin.masters.state_dict()["masters"].items()}
+    return model, plugin, state, masters
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {},
+        {"poison_at": (2, 5)},
+        {"write_at": (3,)},
+        {"new_group_at": 4},
+        {"poison_at": (1,), "write_at": (1, 6), "new_group_at": 3},
+    ],
+    ids=["plain", "skipped-steps", "written-weights", "add-param-group", "all"],
+)
+def test_planned_path_is_bit_identical_to_the_general_path(monkeypatch, case):
+    a, pa, sa, ma = _fit(monkeypatch, True, **case)
+    b, pb, sb, mb = _fit(monkeypatch, False, **case)
+    assert any(a.seen_layouts) and not any(b.seen_layouts)  # the planned path ran, and only in the first fit
+    for (na, ta), (nb, tb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and ta.dtype == tb.dtype and torch.equal(ta, tb), na
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
+    assert len(sa) == len(sb) and all(ka == kb and torch.equal(x, y) for (ka, x), (kb, y) in zip(sa, sb))
+    assert pa.stats.skipped_steps == pb.stats.skipped_steps == len(case.get("poison_at", ()))
+
+
+def test_a_new_optimizer_over_the_same_parameters_gets_its_own_layout():
+    """A plain loop that makes a new optimizer over the same parameters (a restart, a second phase): its steps must
+    move the weights through its own param groups (a layout kept from the first optimizer would swap the masters
+    into the old optimizer's lists and leave the new one's parameters unstepped)."""
+    from lightning_mp.master import attach_master_weights, cast_module_
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+    cast_module_(model, torch.bfloat16)
+    x, y = torch.randn(4, 8).bfloat16(), torch.randn(4, 4)
+    masters = None
+    for _ in range(2):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        if masters is None:
+            masters = attach_master_weights(opt, "fp32", module=model)
+        else:
+            masters.attach(opt)
+        for _ in range(2):
+            before = [p.detach().clone() for p in model.parameters()]
+            nn.functional.mse_loss(model(x).float(), y).backward()
+            masters.step(opt)
+            opt.zero_grad()
+            assert all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
+            assert masters._layouts.get(opt) is not None
+            in_groups = [p for g in opt.param_groups for p in g["params"]]
+            assert len(in_groups) == 4 and all(a is b for a, b in zip(in_groups, model.parameters()))
+            assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values() if v.dim())
