@@ -59,7 +59,8 @@ def fit(mode: str, model, batches, steps: int, warmup: int, prof: bool = False):
         kwargs = {"plugins": [MPPlugin(name, **{k: [] if v == "none" and k == "fp32_modules" else v
                                                 for k, v in kw.items()})]}
     sync = Sync(warmup)
-    trainer = Trainer(accelerator="gpu" if torch.cuda.is_available() else "cpu", devices=1, max_steps=warmup + steps, logger=False,
+    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    trainer = Trainer(accelerator=accelerator, devices=1, max_steps=warmup + steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[sync], **kwargs)
     lit = bhc.Lit(model, batches, "gpt", True)
@@ -133,7 +134,8 @@ def main() -> None:
         print(f"{ours}: host (self CPU) time a step (us) more than Lightning's, by op, with calls a step:")
         for d, name, c in dc[: args.top]:
             print(f"  {d:+8.1f}  {c:+6.1f}  {name[:100]}")
-    print(f"\n{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, torch {torch.__version__}; {args.steps} steps a fit")
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"\n{device}, torch {torch.__version__}; {args.steps} steps a fit")
     print("| mode | wall ms a step | GPU busy ms a step | kernels a step |")
     print("|---|---|---|---|")
     for mode, wall, busy, k in rows:

@@ -709,6 +709,16 @@ class FP32MasterWeights(MasterWeights):
         #: optimizer -> its layout (None: not plannable)
         self._layouts: "weakref.WeakKeyDictionary[Optimizer, Optional[_Layout]]" = weakref.WeakKeyDictionary()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # layouts are made again at the next step (they are keyed weakly by optimizer, which pickle cannot carry)
+        state = dict(self.__dict__)
+        state["_layouts"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._layouts = weakref.WeakKeyDictionary()
+
     def gather(self, optimizer: Optimizer, *, check: bool = False) -> StepRecords:
         out = None if self._carrying else self._gather_planned(optimizer, check)
         return out if out is not None else super().gather(optimizer, check=check)

@@ -92,3 +92,32 @@ def test_version_is_instant_and_import_loads_no_torch():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("lightning-mp ") and "torch " in done.stdout and "lightning " in done.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "8", "--warmup", "8"], "--warmup: 8: must be below --steps (8)"),
+        (["--steps", "8", "--warmup", "2", "--rounds", "7"], "--rounds: 7: more rounds than timed steps"),
+    ],
+)
+def test_compare_refuses_a_schedule_that_times_nothing_before_the_first_step(argv, message, capsys):
+    from lightning_mp.tools import compare
+
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--modes", "fp32", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_takes_modes_by_commas_or_spaces_and_a_short_run_keeps_working(capsys):
+    """`--modes fp32,bf16` is the same as `--modes fp32 bf16`; `--steps 3` without --warmup/--rounds shrinks the
+    defaults to fit and says the answer stands on little."""
+    from lightning_mp.tools import compare
+
+    code = compare.main(["--modes", "fp32,bf16", "--steps", "3", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "| fp32" in out and "| bf16" in out
+    assert "confidence: high" not in out and "little was timed" in out

@@ -54,8 +54,8 @@ def test_a_tie_within_noise_goes_to_the_safer_mode():
 
 
 def test_a_clear_margin_picks_the_faster_mode():
-    d = decide([cand("fp32", 100, seed=1), cand("bf16", 70, seed=2)])
-    assert d.mode == "bf16" and d.beaten == ["fp32"] and d.confidence == "high"
+    d = decide([cand("fp32", 100, seed=1, n=24), cand("bf16", 70, seed=2, n=24)])
+    assert d.mode == "bf16" and d.beaten == ["fp32"] and d.confidence == "high" and d.thin is None
     assert d.vs_pick["fp32"].median == pytest.approx(100 / 70, rel=0.05)
     assert d.vs_pick["fp32"].lo > 1.10
 
@@ -111,3 +111,17 @@ def test_batch_probe_tells_overhead_bound_from_compute_bound():
     assert probe.overhead_bound is False and probe.math_share > 0.9
     flat = batch_probe("fp32", 16, 8, [10.0] * 6, [10.0] * 6)
     assert flat.overhead_bound and flat.batch_to_matter is None  # nothing grows: no batch would do
+
+
+@pytest.mark.parametrize("n, expected", [(1, "low"), (2, "medium"), (6, "medium"), (19, "medium"), (20, "high")])
+def test_confidence_is_capped_by_how_little_was_timed(n, expected):
+    """A clear 30 % margin is still no high-confidence answer on a handful of timed steps: one round gives low, fewer
+    than 3 rounds or 20 timed steps a mode give medium at most, and the decision says why."""
+    d = decide([cand("fp32", 100, seed=1, n=n), cand("bf16", 70, seed=2, n=n)])
+    levels = ["low", "medium", "high"]
+    assert levels.index(d.confidence) <= levels.index(expected)
+    if n >= 6:  # enough rounds for the margin to show: the pick is the faster mode, and only the cap holds it back
+        assert d.mode == "bf16" and d.confidence == expected
+        assert (d.thin is None) is (expected == "high")
+    if d.thin:
+        assert f"{n} timed step" in d.thin

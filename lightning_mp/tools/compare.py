@@ -372,16 +372,18 @@ def build_parser() -> argparse.ArgumentParser:
                            " its accumulation, clipping, batch size and MPPlugin settings are kept (default: none)")
     how = p.add_argument_group("what to run")
     how.add_argument("--modes", nargs="+", default=None, metavar="MODE",
-                     help="modes to run (default: every mode; those this hardware cannot run are reported as such);"
+                     help="modes to run, by spaces or commas (default: every mode; those this hardware cannot run are"
+                          " reported as such);"
                           " 'bf16-true:kahan' etc. pick the master weights of a true-half mode (fp32, kahan,"
                           " stochastic, none); 'lightning:bf16-mixed' etc. add Lightning's own plugins as baselines")
     how.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="N",
                      help="optimizer steps per mode, warm-up included (default: %(default)s)")
-    how.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, metavar="N",
-                     help="untimed steps at the start of each mode (default: %(default)s)")
-    how.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS, metavar="N",
-                     help="timed rounds; in each, every mode in turn runs (steps - warmup) / rounds steps"
-                          " (default: %(default)s)")
+    how.add_argument("--warmup", type=int, default=None, metavar="N",
+                     help=f"untimed steps at the start of each mode, fewer than --steps (default: {DEFAULT_WARMUP},"
+                          " fewer where --steps is small)")
+    how.add_argument("--rounds", type=int, default=None, metavar="N",
+                     help="timed rounds; in each, every mode in turn runs (steps - warmup) / rounds steps; at most"
+                          f" steps - warmup (default: {DEFAULT_ROUNDS}, fewer where there are fewer timed steps)")
     how.add_argument("--seed", type=int, default=None, metavar="N",
                      help="seed of the initial weights and the batch order, the same in every mode (default: 0, or"
                           " the config's seed_everything)")
@@ -430,10 +432,21 @@ def main(argv: Optional[list[str]] = None) -> int:
 def _check_numbers(args: argparse.Namespace) -> None:
     if args.steps < 1:
         raise InputError("--steps", f"{args.steps}: use at least 1")
-    if args.warmup < 0:
+    # a value given is checked against --steps; a default left alone shrinks to fit a short run
+    if args.warmup is None:
+        args.warmup = min(DEFAULT_WARMUP, args.steps - 1)
+    elif args.warmup < 0:
         raise InputError("--warmup", f"{args.warmup}: use 0 or more")
-    if args.rounds < 1:
+    elif args.warmup >= args.steps:
+        raise InputError("--warmup", f"{args.warmup}: must be below --steps ({args.steps}), or no step is timed")
+    timed = args.steps - args.warmup
+    if args.rounds is None:
+        args.rounds = min(DEFAULT_ROUNDS, timed)
+    elif args.rounds < 1:
         raise InputError("--rounds", f"{args.rounds}: use at least 1")
+    elif args.rounds > timed:
+        raise InputError("--rounds", f"{args.rounds}: more rounds than timed steps ({args.steps} steps - "
+                                     f"{args.warmup} warm-up = {timed}); use at most that many")
     if args.min_speedup < 1:
         raise InputError("--min-speedup", f"{args.min_speedup}: use 1 or more (1.1: at least 10 % faster)")
     for flag, value in (("--drift-tolerance", args.drift_tolerance), ("--max-skip-rate", args.max_skip_rate)):
@@ -468,7 +481,9 @@ def _main(args: argparse.Namespace, extras: list[str]) -> int:
     if device_type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device", "cuda: CUDA is not available here")
     try:
-        modes = [parse_mode(m) for m in args.modes] if args.modes else default_modes(device_type)
+        # "--modes fp32 bf16" and "--modes fp32,bf16" alike
+        named = [m for arg in args.modes or () for m in arg.split(",") if m.strip()]
+        modes = [parse_mode(m.strip()) for m in named] if named else default_modes(device_type)
     except ValueError as err:
         raise InputError("--modes", str(err)) from None
     modes = list(dict.fromkeys(modes))  # a mode named twice runs once

@@ -203,8 +203,12 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
         others = [m for m in decision.tied if m != pick]
         if others:
             each = "; ".join(f"{m} {_inverse(decision.vs_fastest[m])}" for m in others)
-            out.append(f"No mode is measurably faster than {pick}, the numerically safest: {_join(others)}"
-                       f" {'ties' if len(others) == 1 else 'tie'} with it within noise ({each}).")
+            slower = [m for m in others if decision.vs_fastest[m].lo > 1.0]  # measurably slower, under the margin
+            how = ("within noise" if not slower else
+                   f"by the {need} rule: measurably slower, but not surely by the {need} a mode must differ by"
+                   if len(slower) == len(others) else f"within noise or by the {need} rule")
+            out.append(f"No mode is faster than {pick}, the numerically safest: {_join(others)}"
+                       f" {'ties' if len(others) == 1 else 'tie'} with it {how} ({each}).")
         elif decision.beaten:
             gap = min(decision.vs_fastest[m].lo for m in decision.beaten)
             out.append(f"{pick} is the fastest mode here and the numerically safest: every other mode is at least"
@@ -213,16 +217,20 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
             out.append(f"{pick} is the only mode that qualified.")
     elif pick == safest:
         lead = decision.vs_fastest[pick]
-        out.append(f"No mode is measurably faster than {pick}. The fastest, {fastest}, is {_x(lead)} its speed"
-                   f" ({_interval(lead)}); a less safe mode must gain at least {need} with 95% confidence, so the"
-                   f" modes tie and the tie goes to {pick}, the numerically safest.")
+        measurably = "measurably faster, but " if lead.lo > 1.0 else ""
+        head = f"No mode is faster than {pick} by the margin." if measurably else \
+            f"No mode is measurably faster than {pick}."
+        out.append(f"{head} The fastest, {fastest}, is {_x(lead)} its speed"
+                   f" ({_interval(lead)}): {measurably}a less safe mode must gain at least {need} with 95% confidence,"
+                   f" so the modes tie and the tie goes to {pick}, the numerically safest.")
     else:
         gain = decision.vs_pick[safest]
         beyond = f", beyond the {need} a less safe mode must gain" if gain.lo >= decision.min_speedup else ""
         out.append(f"{pick} is {_x(gain)} the speed of {safest} ({_interval(gain)}){beyond}.")
         if pick != fastest:
             lead = decision.vs_fastest[pick]
-            out.append(f"The fastest, {fastest}, is {_x(lead)} {pick}'s speed ({_interval(lead)}): within noise,"
+            how = f"measurably faster, but not surely by {need}" if lead.lo > 1.0 else "within noise"
+            out.append(f"The fastest, {fastest}, is {_x(lead)} {pick}'s speed ({_interval(lead)}): {how},"
                        f" so they tie and {pick}, the numerically safer, is recommended.")
     if pick == safest and probe is not None and probe.overhead_bound:
         out.append("The step is mostly fixed overhead (see Size above): no precision can speed it up much, so"
@@ -235,9 +243,12 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
     if lighter:
         best = min(lighter, key=_peak_mem)
         saved = 100 * (1 - _peak_mem(best) / _peak_mem(pick_row))
-        out.append(f"{best.mode} is as fast within noise and needs {saved:.0f}% less memory: use it if memory is what"
+        out.append(f"{best.mode} ties with it on speed and needs {saved:.0f}% less memory: use it if memory is what"
                    " limits you.")
-    if decision.confidence == "low":
+    if decision.thin is not None:
+        out.append(f"Confidence is {decision.confidence} because little was timed: {decision.thin}; rerun with more"
+                   " --steps and --rounds for a firmer answer.")
+    elif decision.confidence == "low":
         out.append("Confidence is low: " + ("the timings were noisy; " if noisy else "")
                    + "rerun on a quiet machine, or with more --steps and --rounds, for a sharper answer.")
     return " ".join(out)

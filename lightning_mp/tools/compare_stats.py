@@ -212,6 +212,8 @@ class Decision:
     vs_pick: dict[str, Ratio] = field(default_factory=dict)
     min_speedup: float = MIN_SPEEDUP
     reason: str = ""
+    #: why the confidence was capped by how little was timed (``None``: not capped)
+    thin: Optional[str] = None
 
     @property
     def tie(self) -> bool:
@@ -245,7 +247,32 @@ def decide(candidates: Sequence[Candidate], min_speedup: float = MIN_SPEEDUP) ->
         if ratio is not None:
             decision.vs_pick[c.mode] = ratio
     decision.confidence = _confidence(decision, pick, min_speedup)
+    _cap_by_data(decision, timed)
     return decision
+
+
+#: the least timed data a "high" confidence stands on: rounds (the spread between rounds is what the intervals are
+#: made of) and timed steps a mode; one round caps it at "low" (its interval comes from steps of one run alone)
+HIGH_CONFIDENCE_MIN_ROUNDS = 3
+HIGH_CONFIDENCE_MIN_STEPS = 20
+_LEVELS = ("low", "medium", "high")
+
+
+def _cap_by_data(decision: Decision, timed: Sequence[Candidate]) -> None:
+    """Confidence no higher than the amount of timing allows (a 6-step run is not a high-confidence answer)."""
+    rounds = min(sum(1 for r in c.rounds if r is not None) for c in timed)
+    steps = min(len(c.steps) if c.steps else 0 for c in timed)
+    if rounds < 2:
+        cap = "low"
+    elif rounds < HIGH_CONFIDENCE_MIN_ROUNDS or (steps and steps < HIGH_CONFIDENCE_MIN_STEPS):
+        cap = "medium"
+    else:
+        return
+    if decision.confidence in _LEVELS and _LEVELS.index(decision.confidence) > _LEVELS.index(cap):
+        decision.confidence = cap
+        timed_steps = f"{steps} timed step{'s' if steps != 1 else ''} a mode" if steps else "few timed steps"
+        decision.thin = (f"{timed_steps} in {rounds} round{'s' if rounds != 1 else ''} (high needs"
+                         f" {HIGH_CONFIDENCE_MIN_ROUNDS} rounds and {HIGH_CONFIDENCE_MIN_STEPS} steps)")
 
 
 def _neg(rank: tuple[int, int]) -> tuple[int, int]:
