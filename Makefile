@@ -3,7 +3,7 @@
 # are what CI adds.
 PYTHON ?= python3
 VENV ?= .venv
-# The torch that .venv gets, installed before the package (whose `torch>=2.4` it then satisfies). Which build
+# The torch that .venv gets, installed before the package (whose `torch>=2.11` it then satisfies). Which build
 # `torch==2.13.0` is depends on where pip finds it: PyPI's Linux x86_64 wheel is the CUDA build (several GB); a
 # local CPU wheel that pip is pointed at (--find-links, as on the project's CI machines) is the CPU build; on other
 # machines a CPU-only wheel needs PyTorch's CPU index: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
@@ -16,7 +16,7 @@ STAMP := $(VENV)/.lightning_mp-installed
 TORCH_STAMP := $(VENV)/.torch-spec
 TORCH_REQUEST := $(TORCH_SPEC)$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
 
-.PHONY: setup compare demo test test-gpu lint docs dist clean FORCE
+.PHONY: setup compare demo test test-min test-gpu lint docs dist clean FORCE
 
 setup: $(STAMP)
 
@@ -42,6 +42,25 @@ test: $(STAMP)
 	if [ $$status -eq 5 ]; then \
 		echo "pytest collected no tests (exit 5): failing, a run that tests nothing is no pass"; fi; \
 	exit $$status
+
+# The lowest versions pyproject.toml declares, installed in their own venv (.venv-min) and put through the whole test
+# suite: what is declared is what is tested. Keep MIN_SPECS and pyproject.toml's minimums the same (a test checks).
+# torch 2.11.0 comes from PyPI as its CUDA build (about 3 GB with its NVIDIA libraries; it runs on the CPU too).
+MIN_VENV ?= .venv-min
+MIN_SPECS ?= torch==2.11.0 lightning==2.5.0 torchmetrics==1.0.0 jsonargparse[signatures]==4.44.0
+MIN_STAMP := $(MIN_VENV)/.lightning_mp-installed
+
+$(MIN_STAMP): pyproject.toml Makefile
+	test -x $(MIN_VENV)/bin/python || $(PYTHON) -m venv $(MIN_VENV)
+	$(MIN_VENV)/bin/python -m pip install --quiet $(foreach s,$(MIN_SPECS),"$(s)")
+	$(MIN_VENV)/bin/python -m pip install --quiet -e ".[test]" $(foreach s,$(MIN_SPECS),"$(s)")
+	touch $(MIN_STAMP)
+
+test-min: $(MIN_STAMP)
+	$(MIN_VENV)/bin/python -c "import torch, lightning, torchmetrics, jsonargparse as j; \
+	print('minimum versions: torch', torch.__version__, 'lightning', lightning.__version__, \
+	'torchmetrics', torchmetrics.__version__, 'jsonargparse', j.__version__)"
+	$(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu
@@ -72,4 +91,4 @@ dist: $(STAMP)
 	if [ "$$here" != "$$there" ]; then echo "the sdist does not collect the same tests"; exit 1; fi
 
 clean:
-	rm -rf $(VENV) lightning_logs .pytest_cache build dist site
+	rm -rf $(VENV) $(MIN_VENV) lightning_logs .pytest_cache build dist site

@@ -87,7 +87,7 @@ class Lit(LightningModule):
     def training_step(self, batch, batch_idx):
         if self.kind == "mlp":
             x, y = batch
-            return nn.functional.mse_loss(self.model(x).float(), y)
+            return nn.functional.mse_loss(self.model(x).float(), y.float())
         return self.model(batch)
 
     def configure_optimizers(self):

@@ -82,7 +82,7 @@ class TinyRegressor(LightningModule):
 
     def _loss(self, batch) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.mse_loss(self(x).float(), y)
+        loss = nn.functional.mse_loss(self(x).float(), y.float())
         if self.training and self.batch_index in self.poison_loss:
             loss = loss * self.poison_value
         return loss

@@ -95,7 +95,7 @@ class DropoutNet(LightningModule):
     def training_step(self, batch, batch_idx):
         ORDER.append(threading.current_thread().name.removeprefix("compare-"))
         x, y = batch
-        return nn.functional.mse_loss(self.net(x).float(), y)
+        return nn.functional.mse_loss(self.net(x).float(), y.float())
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)

@@ -27,7 +27,7 @@ class Net(LightningModule):
         out = self.body(x)
         if self.new_group_at is not None and i >= self.new_group_at:
             out = self.late(out)
-        loss = nn.functional.mse_loss(out.float(), y)
+        loss = nn.functional.mse_loss(out.float(), y.float())
         return loss * float("nan") if i in self.poison_at else loss
 
     def on_train_batch_start(self, batch, i):
@@ -107,7 +107,7 @@ def test_a_new_optimizer_over_the_same_parameters_gets_its_own_layout():
             masters.attach(opt)
         for _ in range(2):
             before = [p.detach().clone() for p in model.parameters()]
-            nn.functional.mse_loss(model(x).float(), y).backward()
+            nn.functional.mse_loss(model(x).float(), y.float()).backward()
             masters.step(opt)
             opt.zero_grad()
             assert all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))

@@ -87,7 +87,7 @@ class Net(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x).float(), y)
+        loss = nn.functional.mse_loss(self(x).float(), y.float())
         if self.trainer.global_step in self.inf_loss_steps:
             loss = loss * math.inf
         if self.record:

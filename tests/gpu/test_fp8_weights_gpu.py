@@ -44,13 +44,13 @@ class Net(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch_of(self.trainer.global_step, self.device)  # (a resumed epoch restarts the loader)
-        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        loss = nn.functional.mse_loss(self.net(x).float(), y.float())
         self.losses.append(float(loss))
         return loss
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.net(x).float(), y))
+        self.log("val_loss", nn.functional.mse_loss(self.net(x).float(), y.float()))
 
     def on_after_backward(self):
         if self.trainer.global_step in self.poison:

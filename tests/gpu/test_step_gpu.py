@@ -248,7 +248,7 @@ def test_the_check_taken_on_a_side_stream_during_backward_gives_the_same_steps_a
             out = self.net(batch[0])
             if batch_idx == self.poison:
                 out = out * math.inf
-            return nn.functional.mse_loss(out.float(), batch[1])
+            return nn.functional.mse_loss(out.float(), batch[1].float())
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)

@@ -56,7 +56,7 @@ def test_bf16_checkpoints_carry_no_lightning_scaler_entry(tmp_path):
 
 
 def test_spike_guard_runs_without_get_total_norm(monkeypatch):
-    """torch 2.4/2.5 (declared minimum 2.4) have no torch.nn.utils.get_total_norm."""
+    """torch 2.4/2.5 (declared before 0.2; the minimum is now 2.11) have no torch.nn.utils.get_total_norm."""
     import lightning_mp.spike as spike
 
     monkeypatch.delattr(torch.nn.utils, "get_total_norm")

@@ -61,7 +61,7 @@ class SamNet(LightningModule):
     def training_step(self, batch, batch_idx):
         self.calls += 1
         x, y = batch
-        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        loss = nn.functional.mse_loss(self.net(x).float(), y.float())
         # poison the second evaluation (at the perturbed point) of one step: only a check inside step() sees it
         if self.poison_step is not None and self.calls == 2 * self.poison_step + 2:
             loss = loss * math.nan
@@ -147,7 +147,7 @@ class Spectral(LightningModule):
         if self.poison_step is not None and self.global_step == self.poison_step:
             spectrum = spectrum * torch.tensor(complex(math.inf, 0.0))
         h = torch.fft.ifft(spectrum).real
-        return nn.functional.mse_loss(self.head(h).float(), y)
+        return nn.functional.mse_loss(self.head(h).float(), y.float())
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)

@@ -55,7 +55,7 @@ class Net(LightningModule):
             out = out + self.side(x)
             if self.poison_step is not None and batch_idx == self.poison_step:
                 out = out + self.side(x) * math.inf  # inf/NaN gradients
-        return nn.functional.mse_loss(out.float(), y)
+        return nn.functional.mse_loss(out.float(), y.float())
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
