@@ -16,7 +16,7 @@ STAMP := $(VENV)/.lightning_mp-installed
 TORCH_STAMP := $(VENV)/.torch-spec
 TORCH_REQUEST := $(TORCH_SPEC)$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
 
-.PHONY: setup compare demo test test-min test-gpu lint docs dist clean FORCE
+.PHONY: setup compare demo test test-fast test-min test-gpu lint docs dist clean FORCE
 
 setup: $(STAMP)
 
@@ -61,6 +61,11 @@ test-min: $(MIN_STAMP)
 	print('minimum versions: torch', torch.__version__, 'lightning', lightning.__version__, \
 	'torchmetrics', torchmetrics.__version__, 'jsonargparse', j.__version__)"
 	$(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
+
+# the suite without the tests marked slow (subprocesses, spawned ranks, torch.compile, the docs build): for a quick
+# check while working; CI runs everything (`make test`, about 2 minutes on 2 cores)
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -m gpu tests/gpu

@@ -41,6 +41,7 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([str(SCRIPT), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 @needs_script
 def test_the_console_script_imports_a_model_from_the_working_directory(tmp_path):
     (tmp_path / "mycnn.py").write_text(MODEL)
@@ -50,6 +51,7 @@ def test_the_console_script_imports_a_model_from_the_working_directory(tmp_path)
     assert (tmp_path / "out.json").exists()
 
 
+@pytest.mark.slow
 @needs_script
 def test_help_names_the_console_script(tmp_path):
     done = _run(["compare", "--help"], tmp_path)
@@ -77,6 +79,7 @@ def test_plot_without_matplotlib_fails_before_training(tmp_path, capsys, monkeyp
     assert "needs matplotlib" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_version_is_instant_and_import_loads_no_torch():
     """``import lightning_mp`` (and so ``--version``) loads neither torch nor Lightning; every export still resolves."""
     code = (

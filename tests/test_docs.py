@@ -42,6 +42,7 @@ def test_readme_relative_links_point_to_existing_files():
     assert not missing, f"README.md links to files that do not exist: {missing}"
 
 
+@pytest.mark.slow
 def test_the_site_builds_strictly(tmp_path):
     for module in ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python"):
         try:

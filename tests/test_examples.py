@@ -119,6 +119,7 @@ def test_fp8_config_stops_before_training_on_cpu(name, tmp_path, capsys):
     assert "precision='bf16'" in message
 
 
+@pytest.mark.slow
 def test_module_entry_point_runs(tmp_path):
     """The command CI and users type: ``python -m examples.gpt_mini fit --config ...``."""
     cmd = [sys.executable, "-m", "examples.gpt_mini", "fit", "--config", str(config_path("gpt_mini", "bf16")),

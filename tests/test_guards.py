@@ -398,6 +398,7 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set size from /proc")
 def test_guarded_norm_keeps_half_the_activation_memory_for_backward():
     """What a guarded LayerNorm keeps for backward: the bf16 input (already alive), not a 2x larger fp32 copy."""
@@ -770,6 +771,7 @@ class _AutocastInside(nn.Module):
             return self.inner(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sdpa", [True, False], ids=["sdpa", "softmax-module"])
 @pytest.mark.parametrize("layout", ["autocast", "autocast-inside", "true-half"])
 def test_default_guards_add_no_graph_breaks_under_torch_compile(layout, sdpa):
@@ -801,6 +803,7 @@ def test_default_guards_add_no_graph_breaks_under_torch_compile(layout, sdpa):
     assert torch.get_default_dtype() is torch.float32 and not torch.is_autocast_enabled("cpu")
 
 
+@pytest.mark.slow
 def test_compiled_fp32_functions_add_no_graph_breaks():
     def fn(x, w, b):
         with fp32_region():
@@ -847,6 +850,7 @@ class _Router(nn.Module):
         return self.lin(h)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside", [False, True], ids=["autocast", "autocast-inside"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("breaks", [True, False], ids=["graph-break", "one-graph"])

@@ -183,6 +183,7 @@ class Regression(LightningModule):
             return F.mse_loss(self.lin(self.x.to(self.lin.weight.dtype)).squeeze(-1).float(), self.y).item()
 
 
+@pytest.mark.slow
 def test_updates_below_bf16_resolution_need_master_weights():
     losses = {}
     for name, plugin in [("fp32 training", MPPlugin("fp32"))] + [

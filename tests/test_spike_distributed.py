@@ -110,6 +110,7 @@ def test_a_spike_on_one_rank_is_skipped_by_every_rank(tmp_path, strategy, mode):
         assert torch.equal(a, b), "the ranks' weights parted"
 
 
+@pytest.mark.slow
 def test_under_ddp_spawn_the_figures_come_back_through_callback_metrics(tmp_path):
     """``ddp_spawn`` trains in child processes; the launching process gets the weights and ``callback_metrics``
     back (Lightning's launcher), so PrecisionMonitor's figures are where a user reads the skip there."""
