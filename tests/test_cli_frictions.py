@@ -124,3 +124,20 @@ def test_compare_takes_modes_by_commas_or_spaces_and_a_short_run_keeps_working(c
     assert code == 0
     assert "| fp32" in out and "| bf16" in out
     assert "confidence: high" not in out and "little was timed" in out
+
+
+def test_an_example_model_outside_a_checkout_says_where_the_examples_are(tmp_path, monkeypatch, capsys):
+    """After a wheel install (here: run from a folder without the repository's examples) `--model examples.gpt_mini`
+    says the examples come with the source repository, in one line, exit 2."""
+    from lightning_mp.tools import compare
+
+    monkeypatch.chdir(tmp_path)
+    root = str(Path(__file__).resolve().parents[1])
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", os.getcwd(), root)])
+    for name in [m for m in sys.modules if m == "examples" or m.startswith("examples.")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["--model", "examples.gpt_mini", "--steps", "2"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "examples come with the source repository" in err and "gpt-mini" in err

@@ -356,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     what = p.add_argument_group("what to train")
     what.add_argument("--model", default=None, metavar="SPEC",
                       help="'package.module:ClassName' of a LightningModule, or a built-in name ("
-                           + ", ".join(BUILTIN_MODELS) + ") (default: gpt-mini, sized to the device: small on the"
+                           + ", ".join(BUILTIN_MODELS) + "; the examples.* ones from the root of a source checkout)"
+                           " (default: gpt-mini, sized to the device: small on the"
                            " CPU, width 2048 on a GPU with 40 GB or more; or the model's class_path in --config)")
     what.add_argument("--model-args", default="{}", metavar="JSON",
                       help="the model's constructor arguments as one JSON object, e.g. '{\"width\": 512}' (the older"

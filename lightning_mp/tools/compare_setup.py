@@ -106,7 +106,12 @@ def load_class(spec: str, flag: str = "--model") -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise InputError(flag, f"{spec!r}: cannot import {module_name!r} ({err}).") from None
+        hint = ""
+        if module_name.startswith("examples.") and getattr(err, "name", None) in ("examples", module_name):
+            # the repository's examples are not in the installed package
+            hint = (" The examples come with the source repository, not with the installed package: run from the"
+                    " root of a checkout, or use the built-in 'gpt-mini'.")
+        raise InputError(flag, f"{spec!r}: cannot import {module_name!r} ({err}).{hint}") from None
     try:
         return getattr(module, attr)
     except AttributeError:
