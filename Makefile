@@ -3,7 +3,7 @@
 # are what CI adds.
 PYTHON ?= python3
 VENV ?= .venv
-# The torch that .venv gets, installed before the package (whose `torch>=2.11` it then satisfies). Which build
+# The torch that .venv gets, installed before the package (whose `torch>=2.9.1` it then satisfies). Which build
 # `torch==2.13.0` is depends on where pip finds it: PyPI's Linux x86_64 wheel is the CUDA build (several GB); a
 # local CPU wheel that pip is pointed at (--find-links, as on the project's CI machines) is the CPU build; on other
 # machines a CPU-only wheel needs PyTorch's CPU index: TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu.
@@ -45,9 +45,9 @@ test: $(STAMP)
 
 # The lowest versions pyproject.toml declares, installed in their own venv (.venv-min) and put through the whole test
 # suite: what is declared is what is tested. Keep MIN_SPECS and pyproject.toml's minimums the same (a test checks).
-# torch 2.11.0 comes from PyPI as its CUDA build (about 3 GB with its NVIDIA libraries; it runs on the CPU too).
+# torch 2.9.1 comes from PyPI as its CUDA build (about 3 GB with its NVIDIA libraries; it runs on the CPU too).
 MIN_VENV ?= .venv-min
-MIN_SPECS ?= torch==2.11.0 lightning==2.5.0 torchmetrics==1.0.0 jsonargparse[signatures]==4.44.0
+MIN_SPECS ?= torch==2.9.1 lightning==2.5.0 torchmetrics==1.0.0 jsonargparse[signatures]==4.44.0
 MIN_STAMP := $(MIN_VENV)/.lightning_mp-installed
 
 $(MIN_STAMP): pyproject.toml Makefile
