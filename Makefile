@@ -68,7 +68,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q -m gpu tests/gpu
+	$(PY) -m pytest -q -rs -m gpu tests/gpu
 
 # ruff with pyproject.toml's [tool.ruff] settings (line length 120, as setup.cfg's flake8 section), then mypy with
 # its [tool.mypy] settings (the package, lightning_mp/)

@@ -198,9 +198,8 @@ def _run_matrix(label: str, cells: list[Cell], capsys, **kwargs: Any) -> None:
             failures.append(f"{label}/{where}/{what}/{how}: {first_line}")
     _totals["cells"] += len(cells)
     _totals["passed"] += len(cells) - len(failures)
-    with capsys.disabled():
-        print(f"\nfault matrix [{label}]: {len(cells)} cells, {len(cells) - len(failures)} passed")
-    assert not failures, "\n".join(failures)
+    # (one line for the whole file at its end; a failing cell is named in the assertion)
+    assert not failures, f"fault matrix [{label}]: {len(failures)} of {len(cells)} cells failed\n" + "\n".join(failures)
 
 
 @pytest.fixture(scope="module", autouse=True)
