@@ -187,3 +187,28 @@ def test_master_weight_mode_errors_and_recommendation(capsys):
     text = recommendation_text(row("bf16-true:kahan", 10.0), "fastest")
     assert 'Trainer(plugins=[MPPlugin("bf16-true", master_weights="kahan")])' in text
     assert "            precision: bf16-true\n            master_weights: kahan\n" in text
+
+
+def test_the_plot_and_the_table_name_the_same_mode_faster(tmp_path, monkeypatch):
+    """The plot's speed panel shows the table's figure (the paired speed-up over the reference, with its interval),
+    not the median step times, which can rank two modes the other way round when the rounds are noisy."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from lightning_mp.tools import compare_report
+    from lightning_mp.tools.compare_engine import ModeResult
+
+    # bf16's median step is longer than fp32's, but its paired speed-up over fp32 is above 1: the table says faster
+    rows = [
+        ModeResult("fp32", step_ms=10.0, step_iqr_ms=4.0, peak_mem_mib=100.0, losses=[1.0, 0.9]),
+        ModeResult("bf16", step_ms=10.4, step_iqr_ms=4.0, speedup=1.08, speedup_lo=1.01, speedup_hi=1.2,
+                   peak_mem_mib=80.0, losses=[1.0, 0.9]),
+    ]
+    bars = []
+    original = matplotlib.axes.Axes.bar
+    monkeypatch.setattr(matplotlib.axes.Axes, "bar",
+                        lambda self, x, h, *a, **k: bars.append((list(x), list(h))) or original(self, x, h, *a, **k))
+    compare_report.write_plot(rows, str(tmp_path / "plot.png"))
+    names, heights = bars[0]
+    assert names == ["fp32", "bf16"] and heights == [1.0, 1.08]  # higher is faster, as in the table
+    assert (tmp_path / "plot.png").stat().st_size > 0

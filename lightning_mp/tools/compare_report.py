@@ -303,9 +303,22 @@ def write_plot(results: Sequence[ModeResult], path: str) -> None:
     ran = [r for r in results if r.step_ms is not None]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     names = [r.mode for r in ran]
-    axes[0].bar(names, [r.step_ms for r in ran], yerr=[(r.step_iqr_ms or 0) / 2 for r in ran], color="tab:blue",
-                capsize=3)
-    axes[0].set_title("median step time (ms, IQR bars; lower is faster)")
+    if any(r.speedup is not None for r in ran):
+        # the table's figure, so that both name the same mode faster: the paired speed-up over the reference (the
+        # row without one) with its 95 % interval
+        ups = [r.speedup if r.speedup is not None else 1.0 for r in ran]
+        low = [u - r.speedup_lo if r.speedup_lo is not None and math.isfinite(r.speedup_lo) else 0.0
+               for u, r in zip(ups, ran)]
+        high = [r.speedup_hi - u if r.speedup_hi is not None and math.isfinite(r.speedup_hi) else 0.0
+                for u, r in zip(ups, ran)]
+        axes[0].bar(names, ups, yerr=[low, high], color="tab:blue", capsize=3)
+        axes[0].axhline(1.0, color="grey", linewidth=0.8)
+        reference = next((r.mode for r in ran if r.speedup is None), names[0])
+        axes[0].set_title(f"speed-up over {reference} (95% interval; higher is faster)")
+    else:
+        axes[0].bar(names, [r.step_ms for r in ran], yerr=[(r.step_iqr_ms or 0) / 2 for r in ran],
+                    color="tab:blue", capsize=3)
+        axes[0].set_title("median step time (ms, IQR bars; lower is faster)")
     axes[1].bar(names, [r.peak_mem_mib or 0 for r in ran], color="tab:orange")
     axes[1].set_title("peak memory (MiB)")
     for r in ran:
