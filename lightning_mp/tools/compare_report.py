@@ -246,8 +246,9 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
         out.append(f"{best.mode} ties with it on speed and needs {saved:.0f}% less memory: use it if memory is what"
                    " limits you.")
     if decision.thin is not None:
-        out.append(f"Confidence is {decision.confidence} because little was timed: {decision.thin}; rerun with more"
-                   " --steps and --rounds for a firmer answer.")
+        out.append(f"Confidence is {decision.confidence}: little was timed, {decision.thin}"
+                   + ("; the timings were noisy too" if noisy else "")
+                   + "; rerun with more --steps and --rounds for a firmer answer.")
     elif decision.confidence == "low":
         out.append("Confidence is low: " + ("the timings were noisy; " if noisy else "")
                    + "rerun on a quiet machine, or with more --steps and --rounds, for a sharper answer.")

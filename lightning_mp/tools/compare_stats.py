@@ -270,9 +270,10 @@ def _cap_by_data(decision: Decision, timed: Sequence[Candidate]) -> None:
         return
     if decision.confidence in _LEVELS and _LEVELS.index(decision.confidence) > _LEVELS.index(cap):
         decision.confidence = cap
-        timed_steps = f"{steps} timed step{'s' if steps != 1 else ''} a mode" if steps else "few timed steps"
-        decision.thin = (f"{timed_steps} in {rounds} round{'s' if rounds != 1 else ''} (high needs"
-                         f" {HIGH_CONFIDENCE_MIN_ROUNDS} rounds and {HIGH_CONFIDENCE_MIN_STEPS} steps)")
+    # (said also where the confidence was that low already: it is one of the reasons)
+    timed_steps = f"{steps} timed step{'s' if steps != 1 else ''} a mode" if steps else "few timed steps"
+    decision.thin = (f"{timed_steps} in {rounds} round{'s' if rounds != 1 else ''} (high needs"
+                     f" {HIGH_CONFIDENCE_MIN_ROUNDS} rounds and {HIGH_CONFIDENCE_MIN_STEPS} steps)")
 
 
 def _neg(rank: tuple[int, int]) -> tuple[int, int]:
