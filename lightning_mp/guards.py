@@ -672,15 +672,11 @@ class FP32Guard:
         return tree_map_only(Tensor, lambda t: t.to(back) if t.dtype == torch.float32 else t, output)
 
     @staticmethod
-    def _fused_fits(module: nn.Module, x: Any) -> bool:
-        return (
-            isinstance(x, Tensor)
-            and x.dtype in _LOW
-            and all(
-                t is None or (t.dtype == torch.float32 and t.device == x.device)
-                for t in (getattr(module, "weight", None), getattr(module, "bias", None))
-            )
-            and not _autocast_enabled()
+    def _fused_fits(module: nn.Module, x: Tensor) -> bool:
+        """Outside autocast (the caller knows): a 16-bit input and fp32 weights on its device."""
+        return x.dtype in _LOW and all(
+            t is None or (t.dtype == torch.float32 and t.device == x.device)
+            for t in (getattr(module, "weight", None), getattr(module, "bias", None))
         )
 
     def remove(self) -> None:

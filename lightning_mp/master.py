@@ -675,9 +675,6 @@ class _Layout:
     entries and the parameters' storages stay): in param-group order, with their entries, their step records (reused
     step after step) and aliases of the weights and masters for the write-back."""
 
-    ids: tuple[tuple[int, ...], ...]  # ids of every group's params when made (the params are held below)
-    lists: tuple[list, ...]  # the groups' params lists themselves (the records swap inside them)
-    generation: int
     half: list[Tensor]
     entries: list[_Entry]
     records: list[StepRecord]
@@ -706,8 +703,11 @@ class FP32MasterWeights(MasterWeights):
 
     def __init__(self) -> None:
         super().__init__()
-        #: optimizer -> its layout (None: not plannable)
-        self._layouts: "weakref.WeakKeyDictionary[Optimizer, Optional[_Layout]]" = weakref.WeakKeyDictionary()
+        #: optimizer -> (the key its layout was made for, the layout or None where the optimizer is not plannable):
+        #: a refusal is kept as long as a layout would be, so the general path pays no planning attempt a step
+        self._layouts: "weakref.WeakKeyDictionary[Optimizer, tuple[tuple, Optional[_Layout]]]" = (
+            weakref.WeakKeyDictionary()
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # layouts are made again at the next step (they are keyed weakly by optimizer, which pickle cannot carry)
@@ -724,20 +724,18 @@ class FP32MasterWeights(MasterWeights):
         return out if out is not None else super().gather(optimizer, check=check)
 
     def _layout(self, optimizer: Optimizer) -> Optional[_Layout]:
-        groups = optimizer.param_groups
-        ids = tuple(tuple(map(id, group["params"])) for group in groups)
-        layout = self._layouts.get(optimizer)
-        if (
-            layout is not None
-            and layout.ids == ids
-            and layout.generation == self._generation
-            and all(group["params"] is params for group, params in zip(groups, layout.lists))
-        ):
-            return layout
-        layout = self._layouts[optimizer] = self._make_layout(optimizer, ids)
+        # what a layout stands on: every group's params list (the records swap inside them), the parameters in it
+        # (held by the layout, so their ids stay theirs) and the entries' generation
+        lists = [group["params"] for group in optimizer.param_groups]
+        ids = (tuple(map(id, lists)), tuple(tuple(map(id, params)) for params in lists))
+        kept = self._layouts.get(optimizer)
+        if kept is not None and kept[0] == (ids, self._generation):
+            return kept[1]
+        layout = self._make_layout(optimizer)  # (entries it makes move the generation: keyed after)
+        self._layouts[optimizer] = ((ids, self._generation), layout)
         return layout
 
-    def _make_layout(self, optimizer: Optimizer, ids: tuple[tuple[int, ...], ...]) -> Optional[_Layout]:
+    def _make_layout(self, optimizer: Optimizer) -> Optional[_Layout]:
         half, entries, records, others = [], [], [], []
         for group in optimizer.param_groups:
             params = group["params"]
@@ -755,7 +753,6 @@ class FP32MasterWeights(MasterWeights):
                                     for p in half):
             return None
         return _Layout(
-            ids=ids, lists=tuple(group["params"] for group in optimizer.param_groups), generation=self._generation,
             half=half, entries=entries, records=records, others=others,
             total=sum(p.numel() for p in half), device=devices.pop(),
             ptrs=[p.data_ptr() for p in half], dst=[p.data for p in half],
@@ -774,15 +771,13 @@ class FP32MasterWeights(MasterWeights):
             if grad is None or type(grad) is not Tensor or grad.layout is not torch.strided:
                 return None
         grads = cast(list[Tensor], maybe)  # (each checked above)
-        now = [(p.data_ptr(), p._version) for p in half]
+        now = [stamp(p) for p in half]
         if now != [e.stamp for e in entries]:
             if [n[0] for n in now] != layout.ptrs:  # a storage replaced: aliases and layout made again
                 self._layouts.pop(optimizer, None)
                 return None
-            for param, entry, n in zip(half, entries, now):
-                if entry.stamp != n:  # written by someone else since our last write: the parameter is the truth
-                    self._rederive(entry)
-                    entry.stamp = n
+            for param in half:
+                self._entry(param)  # written by someone else since our last write: derived again where it was
         with torch.no_grad():
             # (one allocation a gradient: views of one flat buffer cost more host time than the caching allocator)
             g32 = [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
@@ -826,7 +821,7 @@ class FP32MasterWeights(MasterWeights):
         for key in layout.standins:
             standins.pop(key, None)
         for param, entry in zip(layout.half, layout.entries):
-            entry.stamp = (param.data_ptr(), param._version)
+            entry.stamp = stamp(param)
 
     def _new_held(self, param: Tensor, original: Optional[Tensor]) -> Tensor:
         if original is not None:

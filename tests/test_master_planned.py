@@ -13,6 +13,12 @@ from lightning_mp import MPPlugin
 from lightning_mp import master as master_module
 
 
+def _layout_of(masters, optimizer):
+    """The planned step's layout kept for ``optimizer`` (None: none made, or the optimizer is not plannable)."""
+    kept = masters._layouts.get(optimizer)
+    return None if kept is None else kept[1]
+
+
 class Net(LightningModule):
     def __init__(self, poison_at=(), write_at=(), new_group_at=None, fused=False):
         super().__init__()
@@ -39,7 +45,7 @@ class Net(LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         masters = self.trainer.precision_plugin.masters
-        self.seen_layouts.append(masters._layouts.get(optimizer) is not None if masters is not None else None)
+        self.seen_layouts.append(_layout_of(masters, optimizer) is not None if masters is not None else None)
 
     def configure_optimizers(self):
         params = self.body.parameters() if self.new_group_at is not None else self.parameters()
@@ -111,7 +117,7 @@ def test_a_new_optimizer_over_the_same_parameters_gets_its_own_layout():
             masters.step(opt)
             opt.zero_grad()
             assert all(not torch.equal(b, p.detach()) for b, p in zip(before, model.parameters()))
-            assert masters._layouts.get(opt) is not None
+            assert _layout_of(masters, opt) is not None
             in_groups = [p for g in opt.param_groups for p in g["params"]]
             assert len(in_groups) == 4 and all(a is b for a, b in zip(in_groups, model.parameters()))
             assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values() if v.dim())
