@@ -75,6 +75,9 @@ EXTRA_MODES = (
     # bf16 weights with Transformer Engine's FusedAdam(master_weights=True): fp32 masters kept by the optimizer
     "mp-fp8-bf16w-teadam",
     "mp-fp8-bf16w-all-teadam",
+    # the same with Adam's moments in bf16 (Megatron-Core's precision-aware optimizer route): fp32 masters at bf16
+    # moments' traffic
+    "mp-fp8-bf16w-all-teadam-bf16m",
 )
 FP8_SETTINGS: dict[str, dict[str, Any]] = {
     "mp-fp8": {},
@@ -89,6 +92,7 @@ FP8_SETTINGS: dict[str, dict[str, Any]] = {
     "mp-fp8-bf16w-all-current": {"weights": "bf16", "keep_last": 0, "size_rule": "off", "recipe": "current"},
     "mp-fp8-bf16w-teadam": {"weights": "bf16"},
     "mp-fp8-bf16w-all-teadam": {"weights": "bf16", "keep_last": 0, "size_rule": "off"},
+    "mp-fp8-bf16w-all-teadam-bf16m": {"weights": "bf16", "keep_last": 0, "size_rule": "off"},
     "mp-fp8-bf16w-all-current-nocheck": {
         "weights": "bf16", "keep_last": 0, "size_rule": "off", "recipe": "current", "check_saturation": False,
     },
@@ -120,6 +124,16 @@ def _mp_kwargs_without_guards() -> dict[str, Any]:
     return {"fp32_modules": []} if "fp32_modules" in inspect.signature(MPPlugin).parameters else {}
 
 
+def te_fused_adam_bf16_moments(params: Any, lr: float) -> torch.optim.Optimizer:
+    """Transformer Engine's FusedAdam with fp32 masters and Adam's moments in bf16 (one kernel reads bf16
+    gradients and moments and writes fp32 masters, bf16 moments and bf16 weights)."""
+    from transformer_engine.pytorch.optimizers import FusedAdam
+
+    return FusedAdam(
+        params, lr=lr, master_weights=True, exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16
+    )
+
+
 # --------------------------------------------------------------------------------------------- measuring
 def fp8_linear_share(model: nn.Module) -> float:
     """Share of ``sum(in * out)`` over all linear layers held by Transformer Engine linears."""
@@ -139,14 +153,22 @@ def fp8_linear_share(model: nn.Module) -> float:
     return fp8 / total if total else 0.0
 
 
-def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -> dict[str, Any]:
+def run_mode(
+    args: argparse.Namespace, mode: str, batches: list[torch.Tensor], probe: Optional[StepProbe] = None
+) -> dict[str, Any]:
+    """One mode's fit; ``probe`` (default: ``--warmup`` then ``--steps`` timed) may run more steps than it times
+    (``profile_fp8.py`` profiles steps after the timed ones)."""
     from lightning.pytorch import Trainer
 
     from lightning_mp import MPPlugin
 
-    probe = StepProbe(args.warmup, args.steps, 0)
+    probe = probe if probe is not None else StepProbe(args.warmup, args.steps, 0)
     # -teadam: the fp32 masters kept by Transformer Engine's FusedAdam
-    optimizer = te_fused_adam if mode.endswith("-teadam") else make_optimizer
+    optimizer = (
+        te_fused_adam if mode.endswith("-teadam")
+        else te_fused_adam_bf16_moments if mode.endswith("-teadam-bf16m")
+        else make_optimizer
+    )
 
     kwargs: dict[str, Any] = {}
     plugin = None
