@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.verdict import check_grads_
 
 
 def shapes(hidden: int, layers: int, vocab: int, seq: int) -> list[tuple[int, ...]]:
@@ -60,19 +60,18 @@ def main() -> None:
     grads = [q.grad for q in params]
     one = torch.ones((), device="cuda")
     found = torch.zeros((), device="cuda")
-    checker = DynamicLossScaler("cuda", scaling=False)
 
     rows = {
         "amp-unscale (scale 1)": time_cuda(
             lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one), args.iters
         ),
-        "check-only (foreach_norm inf)": time_cuda(lambda: checker._check_grads_(opt, found), args.iters),
+        "check-only (foreach_norm inf)": time_cuda(lambda: check_grads_(opt, found), args.iters),
         "fused AdamW step": time_cuda(lambda: opt.step(), args.iters),
     }
     # the check must see one NaN anywhere
     found.zero_()
     params[5].grad.view(-1)[-1] = float("nan")
-    checker._check_grads_(opt, found)
+    check_grads_(opt, found)
     assert found.item() > 0, "check-only missed a NaN"
     print(
         f"# {torch.cuda.get_device_name()} | torch {torch.__version__}"

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_mp.modes import PrecisionMode
-from lightning_mp.scaling import _is_dtensor
+from lightning_mp.verdict import _is_dtensor
 from lightning_mp.settings import REDUCE_DTYPES
 
 if TYPE_CHECKING:

@@ -57,7 +57,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         precision: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"bf16-true"``, ``"fp16-true"``, ``"fp8"`` or
             ``"auto"``; Lightning's strings (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ...) are aliases.
         device, scaler: as ``MixedPrecision``'s: the device type the scaler starts on (the Trainer's wins at set-up);
-            the scaler (fp16): a ``torch.amp.GradScaler`` becomes a :class:`~lightning_mp.DynamicLossScaler` in place.
+            the scaler (fp16): a ``torch.amp.GradScaler`` given trains through a ``DynamicLossScaler``
+            with its settings and state and stays a ``torch.amp.GradScaler``, sharing the scale it shows.
         init_scale, growth_factor, backoff_factor, growth_interval: the dynamic loss scale (fp16), as GradScaler's.
         hysteresis, consecutive_hysteresis: overflowing steps before a backoff (1 = at once); refill that budget on
             every clean step (``True``) or only on growth (``False``, Megatron-LM's). ``min_scale``, ``max_scale``:
@@ -130,7 +131,10 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     # ------------------------------------------------------------------ the mode (held by RunPrecision)
     mode = property(lambda self: self._run.mode, doc="The precision mode in force (``None`` for auto until set-up).")
     precision = property(lambda self: self._run.lightning_precision, doc="Lightning's name of the mode.")
-    scaler = property(lambda self: self._run.scaler, doc="The loss scaler / inf-NaN check (``None``: unchecked).")
+    scaler = property(
+        lambda self: getattr(self._run.scaler, "twin", None) or self._run.scaler,
+        doc="The loss scaler / inf-NaN check (``None``: unchecked); a ``torch.amp.GradScaler`` given is this one.",
+    )
     device = property(lambda self: self._run.device, doc="The device type the run uses.")
     _fp8 = property(lambda self: self._run.fp8)
     masters = property(lambda self: self._weights.masters, doc="The master weights (``None`` before set-up, or none).")
@@ -158,9 +162,9 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def set_precision(self, precision: str) -> PrecisionMode:
         """Switch among fp32/tf32/bf16/fp16 between steps (``PrecisionSchedule``); counters and the scale carry over."""
         mode = self._run.switch(precision, started=self._converted is not None)
-        self.stats.set_scaler(self.scaler)
+        self.stats.set_scaler(self._run.scaler)
         if self._steps is not None:
-            self._steps.scaler = self.scaler
+            self._steps.scaler = self._run.scaler
         return mode
 
     # ------------------------------------------------------------------ set-up and teardown
@@ -169,7 +173,7 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
         strategy = distributed.strategy_of(module)
         self._run.set_sharded(distributed.check_strategy(strategy, self.mode, self.master_weights, self.fp8_config))
-        self.stats.set_scaler(self.scaler)
+        self.stats.set_scaler(self._run.scaler)
         device = distributed.root_device(distributed.unwrap_lightning_module(module), module)
         spec = self.fp32_guards
         if self.mode is not None and not self.mode.true_half and device.type == "cuda":
@@ -193,23 +197,23 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         device = distributed.root_device(module, model)
         self._run.connect(device)
         announce(self, module)  # rank zero, once per fit: "lightning_mp: using bf16 mixed precision (...) on cuda"
-        self.stats.set_scaler(self.scaler)
+        self.stats.set_scaler(self._run.scaler)
         dtypes = (self.reduce_dtype, self.fsdp_param_dtype)
-        self._fsdp_root = distributed.connect(model, self.scaler, *dtypes, self._comm_hooked, fp8=self.mode.fp8)
+        self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=self.mode.fp8)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         masters = self._weights.connect(self.mode, module or model, raw, fsdp=self._fsdp_root is not None)
         self._steps = OptimizerSteps(
-            self.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
+            self._run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
             saturation=self._fp8.sentinel.take if self._fp8 is not None and self.mode.fp8 else None,
             spike=self._spike, release_grads=self.release_grads_after_step and module is not None
             and not is_overridden("optimizer_zero_grad", module, LightningModule),
         )  # fmt: skip
         self._steps.connect(module, raw)
         self.stats.set_namer(self._weights.namer(module or model))
-        if self.hold_schedulers_on_skip and self.scaler is not None:
+        if self.hold_schedulers_on_skip and self._run.scaler is not None:
             if self._hold.install(module, lr_schedulers, skipped_for=self._steps.skipped_for):
                 self._patches.add(f"lr_scheduler_step on {type(module).__name__}", self._hold.remove)
-        self._run.connect_fp8(module, device, watch=self.scaler is not None, optimizers=raw)
+        self._run.connect_fp8(module, device, watch=self._run.scaler is not None, optimizers=raw)
         return model, optimizers, lr_schedulers
 
     @override
@@ -278,8 +282,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         if self._steps is not None:
             self._steps.before_backward(module, tensor)  # the spike guard's loss; true-half sums in fp32
-        if self.scaler is not None:
-            tensor = self.scaler.scale(tensor)
+        if self._run.scaler is not None:
+            tensor = self._run.scaler.scale(tensor)
         return Precision.pre_backward(self, tensor, module)
 
     @override
@@ -340,18 +344,18 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return plugin_state(self._run.name, self.scaler, self.masters, self._fp8, self.stats, self._spike)
+        return plugin_state(self._run.name, self._run.scaler, self.masters, self._fp8, self.stats, self._spike)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        parts = dict(scaler=self.scaler, masters=self.masters, master_weights=self.master_weights, fp8=self._fp8)
+        parts = dict(scaler=self._run.scaler, masters=self.masters, master_weights=self.master_weights, fp8=self._fp8)
         load_plugin_state(state_dict, current_mode=self._run.name, stats=self.stats, module=self._converted,
                           spike=self._spike, **parts)  # fmt: skip
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # what Lightning's own MixedPrecision reads: precision="16-mixed" resumes this checkpoint with its scale
-        lightning_state = lightning_scaler_state(self.scaler)
+        lightning_state = lightning_scaler_state(self._run.scaler)
         if lightning_state:
             checkpoint.setdefault("MixedPrecision", lightning_state)
 

@@ -24,7 +24,7 @@ from lightning_mp.modes import (
     resolve_mode,
 )
 from lightning_mp.patches import Patches
-from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler
+from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler, adopt_scaler
 from lightning_mp.settings import LossScaleSettings, MPSettings
 from lightning_mp.true_half import MasterWeightsSetup
 
@@ -89,7 +89,7 @@ class RunPrecision:
 
     def _build_scaler(self, mode: PrecisionMode, previous: Optional[DynamicLossScaler]) -> Optional[DynamicLossScaler]:
         if self.settings.scaler is not None:  # (a mode that does not scale the loss was refused by check_mode)
-            return DynamicLossScaler.adopt(self.settings.scaler, sharded=self.sharded)
+            return adopt_scaler(self.settings.scaler, sharded=self.sharded)
         if not (mode.needs_scaler or self.settings.skips.skip_nonfinite):
             return None
         scaler = make_scaler(self.settings.scaling, self.device, scaling=mode.needs_scaler, sharded=self.sharded)

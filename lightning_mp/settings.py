@@ -323,7 +323,7 @@ class MPSettings(_Settings):
     precision: str = DEFAULTS["precision"]
     #: the device type the scaler starts on (the Trainer's wins at set-up); ``None``: CUDA where there is one
     device: Optional[str] = None
-    #: a ``torch.amp.GradScaler`` to use (fp16 modes); it becomes a ``DynamicLossScaler`` in place
+    #: a ``torch.amp.GradScaler`` to use (fp16 modes); it is used through a ``DynamicLossScaler`` that shares its scale
     scaler: Optional[torch.amp.GradScaler] = None
     scaling: LossScaleSettings = field(default_factory=LossScaleSettings)
     skips: SkipSettings = field(default_factory=SkipSettings)

@@ -1,10 +1,12 @@
-"""StepStats: what the precision machinery did on the last optimizer steps — the one interface callbacks read."""
+"""Skip counting, in one place: per optimizer (:class:`OptimizerStats`, read by callbacks through :class:`StepStats`)
+and per scale update (:class:`SkipCounters`, a loss scaler's, kept on the device)."""
 
 from __future__ import annotations
 
 from collections import deque
 from typing import Any, Callable, Optional, Union
 
+import torch
 from torch import Tensor
 
 from lightning_mp._host import HostCopy
@@ -12,6 +14,136 @@ from lightning_mp._host import HostCopy
 
 class NonFiniteTrainingError(RuntimeError):
     """Raised when too many optimizer steps in a row had inf/NaN gradients and were skipped."""
+
+
+#: check-only device outcomes kept before they are folded into the counters
+_DEFER_LIMIT = 64
+
+_MASKS: dict[torch.device, tuple[Tensor, ...]] = {}
+
+
+def _counter_masks(device: torch.device) -> tuple[Tensor, ...]:
+    """Constants of the counters' update: which entries take the skip flag, and the values of the others."""
+    masks = _MASKS.get(device)
+    if masks is None:
+        masks = _MASKS[device] = (
+            torch.tensor([False, False, True, False], device=device),
+            torch.tensor([1, 1, 0, 0], dtype=torch.int64, device=device),
+            torch.tensor([False, True, True, True], device=device),
+            torch.tensor([1, 0, 0, 0], dtype=torch.int64, device=device),
+        )
+    return masks
+
+
+class SkipCounters:
+    """A loss scaler's ``[steps, skipped_steps, consecutive_skips, last_skipped]``, one count per scale update.
+
+    The counts live in an int64 device tensor (no host sync to count); outcomes the host already knows are summed on
+    the host, and check-only device flags are kept and folded in a batch of a few kernels every ``_DEFER_LIMIT``
+    updates. Reading a count folds what is pending and syncs.
+    """
+
+    NAMES = ("steps", "skipped_steps", "consecutive_skips", "last_skipped")
+
+    def __init__(self) -> None:
+        self._tensor: Optional[Tensor] = None
+        self._init = [0, 0, 0, 0]  # the counts before the device tensor exists (or after unpickling)
+        #: outcomes the host knows that the device tensor does not hold yet: [steps, skipped, trailing skips,
+        #: all skipped (0/1), last skipped]
+        self._host_tail: Optional[list[int]] = None
+        self._deferred: list[Tensor] = []  # device flags not yet in the tensor
+
+    def start(self, device: torch.device) -> None:
+        """Put the counts on ``device`` (with the loss scale)."""
+        self._tensor = torch.tensor(self.values() if self._tensor is not None else self._init, dtype=torch.int64,
+                                    device=device)
+
+    def count_(self, skipped: Tensor) -> None:
+        """One update whose outcome is a 0-dim bool device tensor: four kernels, no sync."""
+        self.fold()
+        counters = self._tensor
+        assert counters is not None  # (started with the scale)
+        # [s + 1, k + x, (c + 1) * x, x] for x = skipped, as counters * [1, 1, x, 0] + [1, x, x, x]
+        keep_mask, keep_base, add_mask, add_base = _counter_masks(counters.device)
+        x = skipped.long().expand(4)
+        counters.mul_(torch.where(keep_mask, x, keep_base)).add_(torch.where(add_mask, x, add_base))
+
+    def count_known(self, skipped: bool) -> None:
+        """One update whose outcome the host knows: counted without touching the device."""
+        if self._deferred:
+            self._fold_deferred()  # (the order of outcomes matters for the streak)
+        tail = self._host_tail
+        if tail is None:
+            tail = self._host_tail = [0, 0, 0, 1, 0]
+        x = int(skipped)
+        tail[0] += 1
+        tail[1] += x
+        tail[2] = tail[2] + 1 if x else 0
+        tail[3] &= x
+        tail[4] = x
+
+    def defer(self, flag: Tensor) -> None:
+        """One update whose outcome only the device knows, kept and folded in later with others."""
+        if self._host_tail is not None:
+            self._flush_host_tail()
+        self._deferred.append(flag.reshape(()))
+        if len(self._deferred) >= _DEFER_LIMIT:
+            self._fold_deferred()
+
+    def fold(self) -> None:
+        """Bring every pending outcome into the device tensor (no sync)."""
+        self._fold_deferred()
+        self._flush_host_tail()
+
+    def _fold_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, []
+        counters = self._tensor
+        if not deferred or counters is None:
+            return
+        skipped = (torch.stack([f.to(counters.device) for f in deferred]) > 0).long()
+        n = len(deferred)
+        trailing = skipped.flip(0).cumprod(0).sum()  # skips at the end, in a row
+        counters[0].add_(n)
+        counters[1].add_(skipped.sum())
+        counters[2].copy_(torch.where(trailing == n, counters[2] + n, trailing))
+        counters[3].copy_(skipped[-1])
+
+    def _flush_host_tail(self) -> None:
+        tail, self._host_tail = self._host_tail, None
+        if tail is None:
+            return
+        n, m, trailing, all_skipped, last = tail
+        counters = self._tensor
+        if counters is None:
+            s, k, c, _ = self._init
+            self._init = [s + n, k + m, c + n if all_skipped else trailing, last]
+            return
+        counters.add_(torch.tensor([n, m, n if all_skipped else 0, 0], dtype=torch.int64).to(counters.device))
+        if not all_skipped:
+            counters[2].fill_(trailing)
+        counters[3].fill_(last)
+
+    def value(self, i: int) -> int:
+        """One count (syncs)."""
+        self.fold()
+        return int(self._tensor[i].item()) if self._tensor is not None else self._init[i]
+
+    def values(self) -> list[int]:
+        return [self.value(i) for i in range(4)]
+
+    def tensor(self) -> Optional[Tensor]:
+        """The device tensor of the counts, everything pending folded in (no sync); ``None`` before the scale."""
+        self.fold()
+        return self._tensor
+
+    def load(self, counts: list[int]) -> None:
+        """Set the counts (checked by the caller)."""
+        self._init, self._host_tail, self._deferred = list(counts), None, []
+        if self._tensor is not None:
+            self._tensor.copy_(torch.tensor(counts, dtype=torch.int64))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_tensor": None, "_init": self.values(), "_host_tail": None, "_deferred": []}
 
 
 #: device verdicts on their way to the host before recording another waits for the oldest (long landed by then)

@@ -53,7 +53,9 @@ from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.master import MasterWeights, StepRecords, wrapped_optimizers
 from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
-from lightning_mp.scaling import DynamicLossScaler, PlannedCheck
+import lightning_mp.verdict as checks
+from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.verdict import PlannedCheck
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
 
@@ -321,7 +323,7 @@ class OptimizerSteps:
                     check = state.check = PlannedCheck.of(optimizer)
                 found = check.found_inf(flag) if check is not None else None
                 if found is None:
-                    found = DynamicLossScaler._check_grads_(optimizer, flag)
+                    found = checks.check_grads_(optimizer, flag)
             else:
                 if state.dirty:  # a configure_gradient_clipping override wrote after the norm was taken
                     self._check(optimizer, state)
@@ -346,7 +348,7 @@ class OptimizerSteps:
         finally:
             if state.stage is Stage.PREPARED:
                 self._abandon(state)  # an error inside the step
-        scaler.forget(optimizer)
+        scaler.verdicts.forget(optimizer)
         if skipped is not False:
             self.buffers.restore(optimizer, skipped, verdict)
         state.stats.record(skipped, verdict)
@@ -381,7 +383,7 @@ class OptimizerSteps:
             state.dirty = False
         elif state.records is not None and state.records.found is not None:
             assert scaler is not None  # found: check_only
-            state.dirty = not scaler.record_verdict_(optimizer, state.records.found)
+            state.dirty = not scaler.verdicts.take_(optimizer, state.records.found)
         elif check_only and self.spike is not None:
             assert scaler is not None  # check_only
             # the spike guard needs the total gradient norm, which is inf/NaN when a gradient is: one pass for both
@@ -391,11 +393,11 @@ class OptimizerSteps:
                 with self._standing_in(state):
                     norm = total_grad_norm(optimizer, sharded=scaler.sharded)
             state.norm = norm
-            state.dirty = norm is None or not scaler.record_check_from_(optimizer, norm)
+            state.dirty = norm is None or not scaler.verdicts.take_total_(optimizer, norm)
         else:
             # the maxima taken during backward, where every gradient has one (large models, check-only modes)
             early = self._overlap.verdict(optimizer) if check_only and self._overlap.installed else None
-            state.dirty = early is None or not cast(DynamicLossScaler, scaler).record_check_from_(optimizer, early)
+            state.dirty = early is None or not cast(DynamicLossScaler, scaler).verdicts.take_total_(optimizer, early)
         if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
         state.stage = Stage.PREPARED
@@ -434,20 +436,20 @@ class OptimizerSteps:
         state.norm = norm.detach()
         if self.scaler is None:
             return
-        if not self.scaler.record_check_from_(optimizer, norm):
-            self.scaler.add_found_inf_(optimizer, ~torch.isfinite(norm.detach()), agreed=True)  # the norm of all shards
+        if not self.scaler.verdicts.take_total_(optimizer, norm):
+            self.scaler.verdicts.add_(optimizer, ~torch.isfinite(norm.detach()), agreed=True)  # the norm of all shards
         state.dirty = False
 
     def _check(self, optimizer: Optimizer, state: _OptimizerState) -> None:
         """The read-only pass over the gradients the optimizer will apply (inside :meth:`_standing_in`)."""
         scaler = self.scaler
         assert scaler is not None  # every caller has one
-        if scaler.stage(optimizer) is OptState.READY:
+        if scaler.verdicts.stage(optimizer) is OptState.READY:
             scaler.unscale_(optimizer)  # check-only mode: the read-only check
         else:
             flag = torch.zeros((), device=scaler.scale_device)
-            for found in DynamicLossScaler._check_grads_(optimizer, flag).values():
-                scaler.add_found_inf_(optimizer, found)
+            for found in checks.check_grads_(optimizer, flag).values():
+                scaler.verdicts.add_(optimizer, found)
         state.dirty = False
 
     def _standing_in(self, state: _OptimizerState) -> Any:
@@ -495,12 +497,12 @@ class OptimizerSteps:
                 if self.saturation is not None:
                     saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
                     if saturated is not None:
-                        scaler.add_found_inf_(optimizer, saturated)  # (one rank's: reduced where the verdict was)
+                        scaler.verdicts.add_(optimizer, saturated)  # (one rank's: reduced where the verdict was)
                 spike = self._spike_verdict(optimizer, state) if self.spike is not None else None
-                scaler.begin_step()
+                scaler.last_skipped_host = None  # a fresh outcome
                 out = scaler.step(optimizer, **kwargs)
             skipped = scaler.last_skipped_host
-            verdict = scaler.found_inf(optimizer) if skipped is None else None  # (the host knows: no device flag)
+            verdict = scaler.verdicts.of(optimizer) if skipped is None else None  # (the host knows: no device flag)
         if records is not None:
             assert self.masters is not None  # records: gathered by the masters
             self.masters.write_back(records, skipped=skipped, found_inf=verdict)
@@ -519,7 +521,7 @@ class OptimizerSteps:
                 self._batch_verdicts.append(spike[1])
             else:  # the host's answer where it has one: a batch of host-known outcomes is counted without a kernel
                 self._batch_verdicts.append(skipped if skipped is not None else _as_flag(verdict, scaler))
-            scaler.forget(optimizer)
+            scaler.verdicts.forget(optimizer)
         state.stats.record(skipped, verdict)
         if self.release_grads and model.automatic_optimization:
             _release_grads(optimizer)
@@ -544,7 +546,7 @@ class OptimizerSteps:
         ran since (two optimizers stepped from one backward), that backward's loss)."""
         scaler = self.scaler
         assert scaler is not None and self.spike is not None  # called from _step with both
-        inf_only = scaler.found_inf(optimizer)
+        inf_only = scaler.verdicts.of(optimizer)
         if inf_only is None:
             inf_only = torch.zeros((), device=scaler.scale_device)
         else:
@@ -555,7 +557,7 @@ class OptimizerSteps:
             spike = torch.zeros((), dtype=torch.bool, device=scaler.scale_device)
         else:
             spike = all_ranks_agree(self.spike.decide(loss, norm, index=state.index))
-        scaler.add_found_inf_(optimizer, spike, agreed=True)
+        scaler.verdicts.add_(optimizer, spike, agreed=True)
         return spike, inf_only, norm, loss
 
     def _abandon(self, state: _OptimizerState) -> None:
@@ -566,7 +568,7 @@ class OptimizerSteps:
             self.masters.write_back(state.records, skipped=True)  # (the stand-ins stand in only inside a `with`)
             state.records = None
         if self.scaler is not None:
-            self.scaler.forget(state.optimizer)
+            self.scaler.verdicts.forget(state.optimizer)
         state.stage = Stage.READY
 
     # ------------------------------------------------------------------ closure-taking optimizers

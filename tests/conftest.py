@@ -204,13 +204,12 @@ def make_trainer(plugin=None, max_steps: int = 8, callbacks=(), **kwargs) -> Tra
 @pytest.fixture
 def check_passes(monkeypatch) -> list:
     """Counts the separate inf/NaN gradient passes of MPPlugin's check-only scaler (one entry per pass)."""
-    from lightning_mp.scaling import DynamicLossScaler, PlannedCheck
+    from lightning_mp import verdict
+    from lightning_mp.verdict import PlannedCheck
 
     calls: list = []
-    original = DynamicLossScaler._check_grads_
-    monkeypatch.setattr(
-        DynamicLossScaler, "_check_grads_", staticmethod(lambda opt, found: calls.append(1) or original(opt, found))
-    )
+    original = verdict.check_grads_
+    monkeypatch.setattr(verdict, "check_grads_", lambda opt, found: calls.append(1) or original(opt, found))
     planned = PlannedCheck.found_inf
 
     def found_inf(self, flag):  # the check planned once (lightning_mp.step's check-only plans)

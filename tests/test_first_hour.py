@@ -170,7 +170,7 @@ class MyNorm(torch.nn.Module):
             lambda: MPPlugin("fp8", fp8={"recipe": "current", "keep_first": 1}, reduce_dtype="bf16"),
             "MPPlugin('fp8', fp8={'recipe': 'current', 'keep_first': 1}, reduce_dtype='bf16')",
         ),
-        (lambda: MPPlugin("fp16", scaler=torch.amp.GradScaler("cpu")), "MPPlugin('fp16', scaler=<DynamicLossScaler>)"),
+        (lambda: MPPlugin("fp16", scaler=torch.amp.GradScaler("cpu")), "MPPlugin('fp16', scaler=<GradScaler>)"),
     ],
 )
 def test_describe_names_the_mode_and_the_settings_that_differ(plugin, expected):

@@ -149,7 +149,7 @@ def test_amax_watch_is_installed_once_and_removed_with_the_last_sentinel(manager
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_finding_added_to_the_verdict_skips_the_step(fused):
-    """DynamicLossScaler.add_found_inf_: finite gradients, a raised flag: the optimizer does not step."""
+    """Verdicts.add_: finite gradients, a raised flag: the optimizer does not step."""
     model = _model()
     opt = (
         torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused)
@@ -162,9 +162,9 @@ def test_a_finding_added_to_the_verdict_skips_the_step(fused):
     for flag, moves in ((1.0, False), (0.0, True)):
         opt.zero_grad()
         model(torch.randn(4, 8)).sum().backward()
-        scaler.begin_step()
-        scaler.unscale_once_(opt)
-        scaler.add_found_inf_(opt, torch.tensor(flag))
+        scaler.last_skipped_host = None
+        scaler.unscale_(opt)
+        scaler.verdicts.add_(opt, torch.tensor(flag))
         scaler.step(opt)
         scaler.update()
         same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
@@ -174,13 +174,13 @@ def test_a_finding_added_to_the_verdict_skips_the_step(fused):
     assert not opt.state or all(int(s["step"]) == 1 for s in opt.state.values())  # the skipped step left no trace
 
 
-def test_add_found_inf_before_the_check_is_refused():
+def test_a_finding_before_the_check_is_refused():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = DynamicLossScaler("cpu", scaling=False)
     scaler.ensure_initialized(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="must follow unscale_"):
-        scaler.add_found_inf_(opt, torch.tensor(1.0))
+        scaler.verdicts.add_(opt, torch.tensor(1.0))
 
 
 def test_amax_mode_ignores_reductions_while_the_model_evaluates(manager):

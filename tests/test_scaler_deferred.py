@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from lightning_mp.scaling import _DEFER_LIMIT, DynamicLossScaler
+from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.stats import _DEFER_LIMIT
 
 
 def _reference(outcomes: list[bool]) -> list[int]:
@@ -51,8 +52,9 @@ def test_a_device_outcome_costs_no_counter_kernels_until_the_fold(monkeypatch):
     scaler = DynamicLossScaler("cpu", scaling=False)
     scaler.ensure_initialized(torch.device("cpu"))
     folds = []
-    original = scaler._fold_deferred
-    monkeypatch.setattr(scaler, "_fold_deferred", lambda: folds.append(len(scaler._deferred)) or original())
+    skips = scaler.skips
+    original = skips._fold_deferred
+    monkeypatch.setattr(skips, "_fold_deferred", lambda: folds.append(len(skips._deferred)) or original())
     for _ in range(_DEFER_LIMIT):
         scaler.update_from([torch.tensor(0.0)])
     assert [n for n in folds if n] == [_DEFER_LIMIT]  # one fold for the whole batch

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_mp import DynamicLossScaler
+from lightning_mp.scaling import adopt_scaler
 
 
 def run_steps(scaler: DynamicLossScaler, pattern: str, lr: float = 0.1, factor: float = 2.0):
@@ -222,7 +223,7 @@ def test_disabled_scaler_positional_arguments_and_our_extras():
     assert scales == [1.0, 1.0]
     assert not torch.isfinite(p).all()  # the inf step was taken
     assert (scaler.steps, scaler.skipped_steps, scaler.last_skipped) == (0, 0, False)
-    assert scaler.found_inf(torch.optim.SGD([p], lr=0.1)) is None
+    assert scaler.verdicts.of(torch.optim.SGD([p], lr=0.1)) is None
     assert scaler.counters_tensor() is None and not scaler.initialized
 
 
@@ -460,9 +461,26 @@ def test_scale_policy_on_its_own():
 
 
 def test_adopting_torchs_scaler_keeps_enabled_settings_and_state():
-    off = DynamicLossScaler.adopt(torch.amp.GradScaler("cpu", enabled=False))
+    off = adopt_scaler(torch.amp.GradScaler("cpu", enabled=False))
     assert isinstance(off, DynamicLossScaler) and not off.is_enabled()
     on = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=7)
     on.scale(torch.ones(()))
-    ours = DynamicLossScaler.adopt(on)
+    ours = adopt_scaler(on)
     assert ours.is_enabled() and ours.get_scale() == 64.0 and ours.get_growth_interval() == 7
+    assert type(on) is torch.amp.GradScaler and ours.twin is on  # composition: the given scaler is not changed
+
+
+def test_a_given_gradscaler_shows_the_scale_training_moves():
+    """The user's GradScaler shares the adopted scaler's scale and growth count: get_scale() and state_dict() follow."""
+    given = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=2)
+    ours = adopt_scaler(given)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    for bad in (False, True, False, False):
+        ours.scale((p * (float("inf") if bad else 1.0)).sum()).backward()
+        ours.step(opt)
+        ours.update()
+        opt.zero_grad()
+    assert ours.get_scale() == given.get_scale() == 8.0  # 8 -> 4 (overflow) -> 4 -> 8 (two clean steps)
+    assert given.state_dict() == {k: v for k, v in ours.state_dict().items() if k in given.state_dict()}
+    assert type(given) is torch.amp.GradScaler and not hasattr(given, "skips")

@@ -326,7 +326,7 @@ def test_the_docstrings_combinations_still_build(call):
          "MPPlugin('bf16-true', master_weights='fp32', reduce_dtype='bf16', spike_sigma=6.0)"),
         (lambda: MPPlugin("fp32", tf32=True, skip_nonfinite=False, max_consecutive_skips=None),
          "MPPlugin('fp32', skip_nonfinite=False, max_consecutive_skips=None, tf32=True)"),
-        (lambda: MPPlugin("fp16", scaler=torch.amp.GradScaler("cpu")), "MPPlugin('fp16', scaler=<DynamicLossScaler>)"),
+        (lambda: MPPlugin("fp16", scaler=torch.amp.GradScaler("cpu")), "MPPlugin('fp16', scaler=<GradScaler>)"),
         (lambda: MPPlugin("auto"), "MPPlugin('auto')"),
     ],
 )

@@ -1,0 +1,299 @@
+"""The inf/NaN verdict of an optimizer step: the checks that find it, and where a step keeps it.
+
+* :func:`check_grads_` and :func:`check_tensors_`: the read-only passes over gradients (torch's fused kernels);
+  :class:`PlannedCheck`: the same for one optimizer whose parameters were looked at once.
+* :class:`Verdicts`: one scaler's per-optimizer verdicts, kept where torch's ``GradScaler`` protocol reads them (its
+  per-optimizer ``found_inf_per_device``), so that ``step`` skips and ``update`` moves the scale on them. Sources
+  (the check, a gradient norm, the master weights' gather, an FP8 saturation flag, the spike guard) are added here,
+  not in the scaler. :mod:`lightning_mp.step` owns one and decides which source sets the verdict of a step.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import defaultdict
+from typing import Any, Optional
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+_DTensor: Optional[type]
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # a torch built without distributed
+    _DTensor = None
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    return _DTensor is not None and isinstance(tensor, _DTensor)
+
+
+#: up to this many gradient elements on a device, the check is torch's fused check-and-unscale kernel with a scale
+#: of 1 (one launch, and it rewrites each gradient with itself); above it, the read-only inf-norm pass, which reads
+#: the gradients without writing them (half the memory traffic: what counts on large models, whose step is bound by
+#: the GPU; above this size their check runs during backward, see lightning_mp.overlap). Below it a step is mostly
+#: bound by the host, where one launch beats five and a stack of every gradient's maximum (measured on a 46
+#: M-parameter GPT on an H100: benchmarks/RESULTS.md)
+FUSED_CHECK_MAX_NUMEL = 1 << 27
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    one = _ONES.get(device)
+    if one is None:
+        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
+    return one
+
+
+# ---------------------------------------------------------------------- the checks
+def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    """Find inf/NaN among ``optimizer``'s gradients, dividing nothing; returns ``found_inf`` (or a flag per device).
+
+    Large gradients (above :data:`FUSED_CHECK_MAX_NUMEL` elements on a device): ``torch._foreach_norm(grads,
+    inf)`` (the fused multi-tensor kernel that gradient clipping uses) gives each gradient's largest magnitude,
+    and propagates NaN and inf; unlike ``_amp_foreach_non_finite_check_and_unscale_`` with scale 1 it writes
+    nothing back, which halves the memory traffic of the check (measured in benchmarks/RESULTS.md). Small
+    ones: that fused kernel with scale 1, one launch instead of five, which is what counts on a model whose
+    step is bound by the host (``x * 1`` is ``x`` for every float, so the gradients keep their values).
+    """
+    plain = torch.Tensor
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    if not grads:
+        return {}
+    first = grads[0]
+    if all(type(g) is plain for g in grads) and not any(g.is_sparse for g in grads):
+        device, dtype = first.device, first.dtype
+        if all(g.device == device and g.dtype == dtype for g in grads):  # one list: the common case
+            nonempty = [g for g in grads if g.numel()]
+            if not nonempty:
+                return {}
+            flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
+            check_tensors_({dtype: nonempty}, sum(g.numel() for g in nonempty), flag)
+            return {device: flag}
+    grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+    numel: dict[torch.device, int] = defaultdict(int)
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            if type(grad) is not plain or grad.is_sparse:  # (a plain dense gradient, the common case, skips these)
+                grad = grad._values() if grad.is_sparse else grad
+                if _is_dtensor(grad):
+                    grad = grad.to_local()  # a rank checks its own shard; the verdict is then all-reduced
+            n = grad.numel()
+            if n == 0:
+                continue  # an empty shard holds nothing to check (and the inf-norm of nothing is undefined)
+            grouped[grad.device][grad.dtype].append(grad)
+            numel[grad.device] += n
+    found: dict[torch.device, torch.Tensor] = {}
+    for device, per_dtype in grouped.items():
+        flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
+        check_tensors_(per_dtype, numel[device], flag)
+        found[device] = flag
+    return found
+
+
+
+class PlannedCheck:
+    """The read-only inf/NaN check of one optimizer's gradients, planned from its parameters once.
+
+    Where every parameter is a plain dense tensor on one device in one dtype (the common case), what the check
+    needs to know (the device, the dtype, the kernel for their size) is found here, not on every step; the step
+    then lists the gradients and runs one fused kernel. ``None`` from :meth:`of`: the general
+    :func:`check_grads_` applies (several devices or dtypes, sharded or complex parameters).
+    The plan is kept while the optimizer's parameter count is unchanged (``add_param_group`` makes a new one).
+    """
+
+    __slots__ = ("params", "dtype", "numel", "count")
+
+    def __init__(self, params: list[torch.Tensor], dtype: torch.dtype, numel: int, count: int) -> None:
+        self.params, self.dtype, self.numel, self.count = params, dtype, numel, count
+
+    @staticmethod
+    def count_of(optimizer: torch.optim.Optimizer) -> int:
+        return sum(len(group["params"]) for group in optimizer.param_groups)
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer) -> Optional["PlannedCheck"]:
+        every = [p for group in optimizer.param_groups for p in group["params"]]
+        params = [p for p in every if p.numel()]  # an empty tensor holds nothing to check
+        if not params:
+            return None
+        device, dtype = params[0].device, params[0].dtype
+        if not dtype.is_floating_point:  # (complex is not floating point: complex parameters take the general check)
+            return None
+        for p in params:
+            if p.device != device or p.dtype != dtype or p.layout is not torch.strided or _is_dtensor(p):
+                return None
+        return cls(params, dtype, sum(p.numel() for p in params), len(every))
+
+    def found_inf(self, flag: torch.Tensor) -> Optional[dict[torch.device, torch.Tensor]]:
+        """Set ``flag`` where a gradient is inf/NaN; ``None`` where a gradient is not what the plan expected (a sparse
+        gradient of an ``nn.Embedding(sparse=True)``): the caller takes the general check."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return {}
+        first = grads[0]
+        if (
+            first.layout is not torch.strided or first.dtype != self.dtype or type(first) is not torch.Tensor
+            or first.device != flag.device
+        ):
+            return None
+        check_tensors_({self.dtype: grads}, self.numel, flag)
+        return {flag.device: flag}
+
+
+def check_tensors_(per_dtype: dict[torch.dtype, list[torch.Tensor]], numel: int, flag: torch.Tensor) -> None:
+    """Set ``flag`` (a 0-dim float tensor on the tensors' device) to 1 if any tensor holds an inf or NaN.
+
+    Up to :data:`FUSED_CHECK_MAX_NUMEL` elements in all: torch's fused check-and-unscale kernel with a scale of 1
+    (one launch; it rewrites each tensor with itself, bumping its version counter); above: the read-only inf-norm.
+    """
+    with torch.no_grad():
+        rest = []
+        for dtype, tensors in _real_views(per_dtype).items():
+            # (torch's CUDA kernel takes fp32 and fp16 only; bf16 gradients take the inf-norm there)
+            if numel <= FUSED_CHECK_MAX_NUMEL and (dtype is not torch.bfloat16 or flag.device.type != "cuda"):
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _one(flag.device))
+            else:
+                rest.append(tensors)
+        if rest:
+            worst = [torch.stack(torch._foreach_norm(t, math.inf)).max().float() for t in rest]
+            flag.add_(~torch.isfinite(worst[0] if len(worst) == 1 else torch.stack(worst).max()))
+
+
+def _real_views(per_dtype: dict[torch.dtype, list[torch.Tensor]]) -> dict[torch.dtype, list[torch.Tensor]]:
+    """Complex tensors (spectral and FFT models) as real views of the same storage: torch's fused kernels take real
+    dtypes only, and a complex number is inf/NaN where a part of it is."""
+    if not any(dtype.is_complex for dtype in per_dtype):
+        return per_dtype
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for dtype, tensors in per_dtype.items():
+        if dtype.is_complex:
+            tensors = [torch.view_as_real(t) for t in tensors]
+            dtype = tensors[0].dtype
+        out.setdefault(dtype, []).extend(tensors)
+    return out
+
+
+class _RealGradients:
+    """An optimizer's parameter groups as torch's ``_unscale_grads_`` reads them, with complex gradients replaced by
+    real views of the same storage (unscaling the view unscales the gradient)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        groups = []
+        for group in optimizer.param_groups:
+            params = []
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None and grad.is_complex() and not grad.is_sparse:
+                    real = torch.view_as_real(param.detach())
+                    real.grad = torch.view_as_real(grad)
+                    param = real
+                params.append(param)
+            groups.append({"params": params})
+        self.param_groups = groups
+
+
+#: optimizer -> (its parameter count, whether any parameter is complex): unscale_ asks on every fp16 step
+_COMPLEX: "weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[int, bool]]" = weakref.WeakKeyDictionary()
+
+
+def has_complex_grads(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a parameter (so its gradient) is complex; found once per parameter set, not on every step."""
+    count = PlannedCheck.count_of(optimizer)
+    known = _COMPLEX.get(optimizer)
+    if known is None or known[0] != count:
+        known = _COMPLEX[optimizer] = (
+            count, any(p.is_complex() for group in optimizer.param_groups for p in group["params"])
+        )
+    return known[1]
+
+
+def real_gradients(optimizer: torch.optim.Optimizer) -> "torch.optim.Optimizer | _RealGradients":
+    """What torch's ``_unscale_grads_`` should read: the optimizer, or its param groups with real views of complex
+    gradients."""
+    return _RealGradients(optimizer) if has_complex_grads(optimizer) else optimizer
+
+
+# ---------------------------------------------------------------------- where a step keeps its verdict
+class Verdicts:
+    """The inf/NaN verdicts of the optimizer steps a :class:`~lightning_mp.scaling.DynamicLossScaler` takes.
+
+    A verdict is a 0/1 float flag per device, kept in the scaler's per-optimizer state (torch's
+    ``found_inf_per_device``) from the moment a source sets it until the scale update: ``step`` skips on it, fused
+    optimizers get it as ``found_inf``, ``update`` moves the scale on it. The scaler's protocol stage says whether
+    a source has set it (``UNSCALED``: the check, or unscaling, ran). No method here syncs with the host.
+    """
+
+    __slots__ = ("scaler",)
+
+    def __init__(self, scaler: Any) -> None:  # (a DynamicLossScaler; its module imports this one)
+        self.scaler = scaler
+
+    def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
+        """This optimizer's place in torch's protocol since its last step (READY, UNSCALED, STEPPED)."""
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        return OptState.READY if state is None else state["stage"]
+
+    def forget(self, optimizer: torch.optim.Optimizer) -> None:
+        """This optimizer's step is over (or abandoned); the scale moves once per batch, from the step's verdicts."""
+        self.scaler._per_optimizer_states.pop(id(optimizer), None)
+
+    def of(self, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
+        """This step's verdict for ``optimizer`` as one device flag (``None``: none set; valid until the update)."""
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        found = list(state["found_inf_per_device"].values()) if state is not None else []
+        if not found:
+            return None
+        return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
+
+    def take_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> bool:
+        """Check-only scalers: this step's verdict is ``found`` (a 0/1 float flag from a check made elsewhere over every
+        gradient the optimizer will apply: the master weights' gather). Returns whether it was taken."""
+        scaler = self.scaler
+        if not scaler.is_enabled() or scaler.scaling:
+            return False
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            return False
+        scaler._check_scale_growth_tracker("the verdict")
+        state["found_inf_per_device"] = {found.device: found}
+        state["stage"] = OptState.UNSCALED
+        return True
+
+    def take_total_(self, optimizer: torch.optim.Optimizer, total: torch.Tensor) -> bool:
+        """Check-only scalers: the verdict from a value computed over every gradient (a total norm), inf/NaN when any
+        gradient is (or when finite gradients are so large, beyond ~1e19, that their norm overflows: such a step is
+        skipped too). Spares the separate check pass. Returns whether the verdict was taken."""
+        scaler = self.scaler
+        if not scaler.is_enabled() or scaler.scaling or self.stage(optimizer) is not OptState.READY:
+            return False  # (checked first: no flag kernel for a verdict that would not be taken)
+        return self.take_(optimizer, (~torch.isfinite(total.detach())).float())
+
+    def add_(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor, *, agreed: bool = False) -> None:
+        """Fold another finding (a device tensor, > 0 when found) into this step's verdict, after the check.
+
+        For what the gradients cannot show (an inf an FP8 cast saturated into a finite value, a loss spike). The
+        verdict stays 0 or 1 (fused optimizers skip on ``found_inf == 1``). Where the scaler's check reduced the
+        verdict over the ranks already (the sharded scaler), a flag that is one rank's (``agreed=False``) is reduced
+        too, so every rank skips together; ``agreed=True`` for one that is the same on every rank. A disabled scaler
+        skips nothing.
+        """
+        scaler = self.scaler
+        if not scaler.is_enabled():
+            return
+        state = scaler._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.READY:
+            raise RuntimeError("Verdicts.add_() must follow unscale_() (or the check) for this optimizer.")
+        bad = (flag.detach().reshape(()) > 0).float()
+        if not agreed and scaler.sync_across_ranks and scaler.verdict_agrees_across_ranks:
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)  # enqueued on the device
+        found = state["found_inf_per_device"]
+        if not found:
+            found[bad.device] = bad
+            return
+        for device, value in found.items():
+            value.copy_(torch.maximum(value, bad.to(device, non_blocking=True)).reshape(value.shape))
