@@ -194,7 +194,7 @@ def worker(cfg: dict[str, Any]) -> None:
             loss = trainer.strategy.reduce(outputs["loss"].detach().float(), reduce_op="mean")
             self.losses.append(float(loss))
             plugin = trainer.precision_plugin
-            if isinstance(plugin, MPPlugin) and plugin.scaler is not None and plugin.scaler.last_skipped:
+            if isinstance(plugin, MPPlugin) and plugin.stats.skipped:
                 self.skipped.append(trainer.fit_loop.epoch_loop.total_batch_idx)  # (counted on after a resume)
 
     def fingerprint(trainer: pl.Trainer, module: LM) -> list[float]:

@@ -131,9 +131,11 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
     # ------------------------------------------------------------------ the mode (held by RunPrecision)
     mode = property(lambda self: self._run.mode, doc="The precision mode in force (``None`` for auto until set-up).")
     precision = property(lambda self: self._run.lightning_precision, doc="Lightning's name of the mode.")
-    scaler = property(
-        lambda self: getattr(self._run.scaler, "twin", None) or self._run.scaler,
-        doc="The loss scaler / inf-NaN check (``None``: unchecked); a ``torch.amp.GradScaler`` given is this one.",
+    scaler = property(lambda self: _loss_scaler(self._run.scaler), doc=(
+        "The loss scaler (fp16 modes; ``None`` where the loss is not scaled, as Lightning's): a"
+        " ``torch.amp.GradScaler`` given is this one. Steps are checked in every mode: see ``skips_nonfinite``."))
+    skips_nonfinite = property(
+        lambda self: self._run.scaler is not None, doc="Whether steps with inf/NaN gradients are skipped (this mode)."
     )
     device = property(lambda self: self._run.device, doc="The device type the run uses.")
     _fp8 = property(lambda self: self._run.fp8)
@@ -364,6 +366,14 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         # a checkpoint written with Lightning's precision="16-mixed" keeps its scale when resumed here
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint:
             self.load_state_dict(checkpoint["MixedPrecision"])
+
+
+def _loss_scaler(scaler: Any) -> Any:
+    """What ``MPPlugin.scaler`` shows: the scaler that scales the loss (the user's own where one was given), not the
+    inf/NaN check of a mode without a loss scale."""
+    if scaler is None or not getattr(scaler, "scaling", True):
+        return None
+    return getattr(scaler, "twin", None) or scaler
 
 
 def _entered(*managers: Any) -> contextlib.ExitStack:

@@ -152,7 +152,9 @@ def test_plugin_keeps_its_own_semantics_outside_fsdp():
 
     plugin = MPPlugin("bf16")
     assert _plugin_to_compute_dtype(plugin) is torch.bfloat16
-    assert isinstance(plugin.scaler, DynamicLossScaler) and not isinstance(plugin.scaler, ShardedDynamicLossScaler)
+    assert plugin.scaler is None and plugin.skips_nonfinite  # bf16 scales no loss (as Lightning's); steps are checked
+    fp16 = MPPlugin("fp16")
+    assert isinstance(fp16.scaler, DynamicLossScaler) and not isinstance(fp16.scaler, ShardedDynamicLossScaler)
     with plugin.tensor_init_context(), plugin.module_init_context():
         assert torch.get_default_dtype() is torch.float32  # not FSDPPrecision's dtype context
     out = torch.ones(2, dtype=torch.bfloat16)

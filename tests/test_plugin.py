@@ -385,8 +385,22 @@ def test_a_given_gradscaler_is_the_one_used():
     plugin = MPPlugin("16-mixed", "cpu", scaler=scaler)
     trainer = make_trainer(plugin, max_steps=4)
     trainer.fit(TinyRegressor(poison_loss=(1,)))
-    assert trainer.scaler is scaler and isinstance(scaler, torch.amp.GradScaler)
+    assert trainer.scaler is scaler and type(scaler) is torch.amp.GradScaler  # used by composition, not changed
     assert scaler.get_scale() == 2.0**9 and plugin.stats.skipped_steps == 1  # one backoff, as torch's
     assert torch.amp.GradScaler("cpu").state_dict().keys() <= scaler.state_dict().keys()
     with pytest.raises(Exception, match="does not scale the loss"):
         MPPlugin("bf16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+
+
+@pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-true", "fp16", "fp16-true"])
+def test_trainer_scaler_is_the_loss_scaler_as_with_lightnings_plugins(mode):
+    """Lightning's bf16-mixed and true-precision plugins have no scaler (``trainer.scaler is None``), 16-mixed a
+    GradScaler; ours the same, while a poisoned step is still skipped in every mode."""
+    scales = mode.startswith("fp16")
+    plugin = MPPlugin(mode, **({"init_scale": 2.0**8} if scales else {}))  # (no overflow of its own at the start)
+    trainer = make_trainer(plugin, max_steps=3)
+    model = TinyRegressor(poison_loss=(1,))
+    trainer.fit(model)
+    assert (trainer.scaler is not None) is scales and plugin.skips_nonfinite
+    assert not scales or isinstance(trainer.scaler, torch.amp.GradScaler)
+    assert plugin.stats.skipped_steps == 1 and plugin.stats.steps == 3

@@ -340,7 +340,9 @@ class NonFiniteDetector(Callback):
             maxima.append(_absmax_each([g for _, g in entries]))
             rec.par_names.extend(n for n, _ in entries)
         rec.par_values.extend(maxima)
-        if self.action == "skip" and trainer.scaler is None and rec.par_values:
+        # (MPPlugin skips in every mode unless told not to; Lightning's plugins where a loss scaler is)
+        skips = getattr(trainer.precision_plugin, "skips_nonfinite", trainer.scaler is not None)
+        if self.action == "skip" and not skips and rec.par_values:
             # nothing else skips this step: decide on the host (one sync) and leave the parameters alone
             latest = torch.cat(rec.par_values)
             if not bool(torch.isfinite(latest).all()):

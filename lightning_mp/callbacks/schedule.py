@@ -232,8 +232,7 @@ class PrecisionSchedule(Callback):
     def _observe_skips(self, plugin: Any, step: int) -> None:
         while self._skips and self._skips[0] <= step - self.window:
             self._skips.popleft()  # what is left are the skips within the window
-        scaler = plugin.scaler
-        if scaler is None:
+        if not plugin.skips_nonfinite:
             return  # this mode runs without the inf/NaN guard: nothing is skipped
         known = plugin.stats.skipped_known()  # never waits for the device
         if known is not None:
