@@ -11,7 +11,6 @@ run's optimizers. The order of one optimizer step is written down in :mod:`light
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -263,15 +262,15 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         return _entered(self.forward_context(), self._fp8.autocast(training=training))
 
     @override
-    @contextlib.contextmanager
-    def train_step_context(self) -> Generator[None, None, None]:
+    def train_step_context(self) -> Any:
         steps, module = self._steps, distributed.unwrap_lightning_module(self._converted)
-        if steps is not None and module is not None and module._trainer is not None:
+        if steps is None or module is None:
+            return self._step_context(training=True)
+        if module._trainer is not None:
             steps.begin_batch(module, module._trainer.optimizers)
-        with self._step_context(training=True):
-            yield
-        if steps is not None and module is not None and not module.automatic_optimization:
-            steps.end_batch()  # manual optimization: the optimizers of this batch have stepped
+        context = self._step_context(training=True)
+        # manual optimization: the optimizers of this batch have stepped when training_step returns
+        return context if module.automatic_optimization else _ThenOnSuccess(context, steps.end_batch)
 
     @override
     def val_step_context(self) -> Any:
@@ -374,6 +373,24 @@ def _loss_scaler(scaler: Any) -> Any:
     if scaler is None or not getattr(scaler, "scaling", True):
         return None
     return getattr(scaler, "twin", None) or scaler
+
+
+class _ThenOnSuccess:
+    """``context``, then ``after()`` once it exits without an exception."""
+
+    __slots__ = ("context", "after")
+
+    def __init__(self, context: Any, after: Callable[[], None]) -> None:
+        self.context, self.after = context, after
+
+    def __enter__(self) -> Any:
+        return self.context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        suppressed = self.context.__exit__(*exc)
+        if exc[0] is None:
+            self.after()
+        return suppressed
 
 
 def _entered(*managers: Any) -> contextlib.ExitStack:

@@ -311,13 +311,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
         host knows them all, and check-only device flags are counted later, with others."""
         if not self._enabled:
             return
-        scale, _ = self._check_scale_growth_tracker("update")
-        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._per_optimizer_states.clear()
         flags = [v for v in verdicts if not isinstance(v, bool)]
         if not self.scaling and flags and not any(v is True for v in verdicts):
             return self.skips.defer(_amax(flags))
         if not flags and not (self.scaling and self.dynamic):
             return self.skips.count_known(any(verdicts))
+        scale, _ = self._check_scale_growth_tracker("update")
         found = _amax([torch.full((), float(v), device=scale.device) if isinstance(v, bool) else v for v in verdicts])
         self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: found.to(scale.device)}
         self.update()

@@ -86,6 +86,8 @@ class _OptimizerState:
     plan: Optional[str] = None
     #: the check-only plans' inf/NaN check, planned from the parameters (``None``: the general check)
     check: Optional[PlannedCheck] = None
+    #: the non-fused check-only plan's flag, read as 0 by the host at the last step (reused by the next)
+    clean_flag: Optional[Tensor] = None
 
 
 class OptimizerSteps:
@@ -317,7 +319,9 @@ class OptimizerSteps:
             hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
             torch_state = scaler._per_optimizer_states.get(id(optimizer))
             if torch_state is None or torch_state["stage"] is OptState.READY:
-                flag = torch.zeros((), device=scaler.scale_device)
+                # (a flag the host read as 0 last step is 0 still: reused, no allocation)
+                flag = state.clean_flag if state.clean_flag is not None else torch.zeros((), device=scaler.scale_device)
+                state.clean_flag = None
                 check = state.check
                 if check is not None and check.count != PlannedCheck.count_of(optimizer):  # add_param_group
                     check = state.check = PlannedCheck.of(optimizer)
@@ -343,6 +347,7 @@ class OptimizerSteps:
             else:
                 # torch's GradScaler pays this one host sync too; its answer decides the step, counted as known
                 verdict, skipped = None, any(flag.item() for flag in found.values())
+                state.clean_flag = None if skipped or torch_state is not None else flag
                 out = None if skipped else optimizer.step(**kwargs)
             state.stage = Stage.STEPPED
         finally:

@@ -106,10 +106,14 @@ class PlannedCheck:
     The plan is kept while the optimizer's parameter count is unchanged (``add_param_group`` makes a new one).
     """
 
-    __slots__ = ("params", "dtype", "numel", "count")
+    __slots__ = ("params", "dtype", "numel", "count", "one")
 
     def __init__(self, params: list[torch.Tensor], dtype: torch.dtype, numel: int, count: int) -> None:
         self.params, self.dtype, self.numel, self.count = params, dtype, numel, count
+        device = params[0].device
+        #: the scale of 1 of torch's fused check-and-unscale kernel where :func:`check_tensors_` would take it
+        fused = numel <= FUSED_CHECK_MAX_NUMEL and (dtype != torch.bfloat16 or device.type != "cuda")
+        self.one = _one(device) if fused else None
 
     @staticmethod
     def count_of(optimizer: torch.optim.Optimizer) -> int:
@@ -141,7 +145,10 @@ class PlannedCheck:
             or first.device != flag.device
         ):
             return None
-        check_tensors_({self.dtype: grads}, self.numel, flag)
+        if self.one is not None and not first.requires_grad:  # (gradients of a create_graph backward do)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self.one)  # check_tensors_'s kernel
+        else:
+            check_tensors_({self.dtype: grads}, self.numel, flag)
         return {flag.device: flag}
 
 
