@@ -72,6 +72,12 @@ class ScalePolicy:
     ) -> None:
         """One step: move ``scale`` (float32), ``growth_tracker`` and ``budget`` (int32) in place; ``found_inf`` is
         a 0-dim bool tensor. Device ops only: no host sync."""
+        if self.hysteresis == 1:  # every overflow backs off: torch's rule in its one kernel, and the bounds
+            torch._amp_update_scale_(
+                scale, growth_tracker, found_inf.float(), self.growth_factor, self.backoff_factor, self.growth_interval
+            )
+            scale.clamp_(self.min_scale, self.max_scale)
+            return
         budget_left = budget - found_inf.int()
         backoff = found_inf & (budget_left <= 0)
         previous = scale.clone()
@@ -86,9 +92,6 @@ class ScalePolicy:
             refill = refill | ~found_inf
         budget.copy_(torch.where(refill, torch.full_like(budget, self.hysteresis), budget_left))
         scale.clamp_(self.min_scale, self.max_scale)
-
-
-# ---------------------------------------------------------------------- the scaler
 
 
 # ---------------------------------------------------------------------- the scaler
@@ -111,8 +114,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     ``grad_scale`` and ``found_inf`` as torch hands them over, and skip on the device.
 
     Args:
-        device: device type of the gradients (``"cuda"`` or ``"cpu"``).
-        init_scale, growth_factor, backoff_factor, growth_interval, enabled: torch's.
+        device, init_scale, growth_factor, backoff_factor, growth_interval, enabled: torch's.
         hysteresis: overflowing steps needed before the scale backs off (1 = at once, as torch).
         consecutive_hysteresis: ``True`` refills the hysteresis budget on every clean step (N overflows in a
             row back off, as DeepSpeed's); ``False`` only when the scale grows (Megatron-LM's behaviour).
@@ -206,11 +208,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return super().unscale_(optimizer)
         scale = self._check_scale_growth_tracker("unscale_")[0]
         state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not OptState.READY:
-            raise RuntimeError(
-                "unscale_() has already been called on this optimizer since the last update()."
-                if state["stage"] is OptState.UNSCALED else "unscale_() is being called after step()."
-            )
+        if state["stage"] is not OptState.READY:  # (torch's messages)
+            stepped = state["stage"] is OptState.STEPPED
+            raise RuntimeError("unscale_() is being called after step()." if stepped else
+                               "unscale_() has already been called on this optimizer since the last update().")
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         state["found_inf_per_device"] = verdict.check_grads_(optimizer, found_inf)
         state["stage"] = OptState.UNSCALED
@@ -299,7 +300,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update().")
         overflow = (found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()) > 0
-        self.skips.count_(overflow)
+        self.skips.defer(overflow)  # (counted with later ones: a few kernels for many steps)
         if self.scaling and self.dynamic:
             self.policy.update_(scale, growth_tracker, cast(torch.Tensor, self._hysteresis_tracker), overflow)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -307,18 +308,22 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def update_from(self, verdicts: list[torch.Tensor | bool]) -> None:
         """One update for a training batch, from the verdicts of every optimizer that stepped in it: device flags, or
         ``True``/``False`` where the host knows the outcome (a non-fused optimizer's step, which paid torch's sync).
-        With no loss scale to move (check-only, or a static scale) the outcomes are counted without a kernel where the
-        host knows them all, and check-only device flags are counted later, with others."""
+        Outcomes the host knows are counted without a kernel (the scale, if it moves, in one or two), check-only
+        device flags later, with others."""
         if not self._enabled:
             return
         self._per_optimizer_states.clear()
         flags = [v for v in verdicts if not isinstance(v, bool)]
         if not self.scaling and flags and not any(v is True for v in verdicts):
             return self.skips.defer(_amax(flags))
-        if not flags and not (self.scaling and self.dynamic):
-            return self.skips.count_known(any(verdicts))
-        scale, _ = self._check_scale_growth_tracker("update")
-        found = _amax([torch.full((), float(v), device=scale.device) if isinstance(v, bool) else v for v in verdicts])
+        scale, tracker = self._check_scale_growth_tracker("update")
+        if not flags:
+            self.skips.count_known(any(verdicts))
+            if self.scaling and self.dynamic:  # (a static scale or none: nothing moves)
+                budget = cast(torch.Tensor, self._hysteresis_tracker)  # (made with the scale)
+                self.policy.update_(scale, tracker, budget, _constant(any(verdicts), scale.device))
+            return
+        found = _amax([_constant(v, scale.device) if isinstance(v, bool) else v for v in verdicts])
         self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: found.to(scale.device)}
         self.update()
 
@@ -381,17 +386,26 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self._hysteresis_tracker.fill_(tracker)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = super().__getstate__()
-        if self._hysteresis_tracker is not None:
-            state["_init_hysteresis_tracker"] = int(self._hysteresis_tracker.item())
-        state["_hysteresis_tracker"] = None
-        return state
+        state, tracker = super().__getstate__(), self._hysteresis_tracker
+        state["_init_hysteresis_tracker"] = self._init_hysteresis_tracker if tracker is None else int(tracker.item())
+        return {**state, "_hysteresis_tracker": None}
 
     device_type = property(lambda self: self._device)
     scale_device = property(
         lambda self: self._scale.device if self._scale is not None else torch.device(self._device),
         doc="Where the scale and the verdicts live.",
     )
+
+
+_CONSTANTS: dict[tuple[bool, torch.device], torch.Tensor] = {}
+
+
+def _constant(flag: bool, device: torch.device) -> torch.Tensor:
+    """A 0-dim bool device tensor holding ``flag``, made once (never written: verdicts are copied, not mutated)."""
+    key = (flag, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(flag, device=device)
+    return _CONSTANTS[key]
 
 
 def _amax(flags: list[torch.Tensor]) -> torch.Tensor:

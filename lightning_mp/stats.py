@@ -16,31 +16,16 @@ class NonFiniteTrainingError(RuntimeError):
     """Raised when too many optimizer steps in a row had inf/NaN gradients and were skipped."""
 
 
-#: check-only device outcomes kept before they are folded into the counters
+#: device outcomes kept before they are folded into the counts
 _DEFER_LIMIT = 64
-
-_MASKS: dict[torch.device, tuple[Tensor, ...]] = {}
-
-
-def _counter_masks(device: torch.device) -> tuple[Tensor, ...]:
-    """Constants of the counters' update: which entries take the skip flag, and the values of the others."""
-    masks = _MASKS.get(device)
-    if masks is None:
-        masks = _MASKS[device] = (
-            torch.tensor([False, False, True, False], device=device),
-            torch.tensor([1, 1, 0, 0], dtype=torch.int64, device=device),
-            torch.tensor([False, True, True, True], device=device),
-            torch.tensor([1, 0, 0, 0], dtype=torch.int64, device=device),
-        )
-    return masks
 
 
 class SkipCounters:
     """A loss scaler's ``[steps, skipped_steps, consecutive_skips, last_skipped]``, one count per scale update.
 
     The counts live in an int64 device tensor (no host sync to count); outcomes the host already knows are summed on
-    the host, and check-only device flags are kept and folded in a batch of a few kernels every ``_DEFER_LIMIT``
-    updates. Reading a count folds what is pending and syncs.
+    the host, and device flags are kept and folded in a batch of a few kernels every ``_DEFER_LIMIT`` updates.
+    Reading a count folds what is pending and syncs.
     """
 
     NAMES = ("steps", "skipped_steps", "consecutive_skips", "last_skipped")
@@ -57,16 +42,6 @@ class SkipCounters:
         """Put the counts on ``device`` (with the loss scale)."""
         self._tensor = torch.tensor(self.values() if self._tensor is not None else self._init, dtype=torch.int64,
                                     device=device)
-
-    def count_(self, skipped: Tensor) -> None:
-        """One update whose outcome is a 0-dim bool device tensor: four kernels, no sync."""
-        self.fold()
-        counters = self._tensor
-        assert counters is not None  # (started with the scale)
-        # [s + 1, k + x, (c + 1) * x, x] for x = skipped, as counters * [1, 1, x, 0] + [1, x, x, x]
-        keep_mask, keep_base, add_mask, add_base = _counter_masks(counters.device)
-        x = skipped.long().expand(4)
-        counters.mul_(torch.where(keep_mask, x, keep_base)).add_(torch.where(add_mask, x, add_base))
 
     def count_known(self, skipped: bool) -> None:
         """One update whose outcome the host knows: counted without touching the device."""

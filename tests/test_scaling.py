@@ -37,6 +37,26 @@ def test_backoff_and_growth_like_torch():
 
 
 
+@pytest.mark.parametrize("known_on_the_host", [True, False])
+def test_hysteresis_one_moves_the_scale_as_torchs_gradscaler(known_on_the_host):
+    """hysteresis=1 (the default) runs torch's one update kernel; over a long mix of overflows, clean steps, growths,
+    the floor and the cap, the scale and growth count follow torch's GradScaler clamped to the bounds, whether the
+    outcome reaches update_from as the host's answer or as a device flag."""
+    ours = DynamicLossScaler("cpu", init_scale=64.0, growth_interval=2, min_scale=2.0, max_scale=256.0)
+    ours.ensure_initialized(torch.device("cpu"))
+    theirs = torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=2)
+    theirs.scale(torch.ones(()))
+    pattern = "..o.......oooooo.o..o.." + "." * 12
+    for ch in pattern:
+        bad = ch == "o"
+        ours.update_from([bad] if known_on_the_host else [torch.tensor(float(bad))])
+        theirs._per_optimizer_states[0]["found_inf_per_device"] = {torch.device("cpu"): torch.tensor(float(bad))}
+        theirs.update()
+        theirs._scale.clamp_(2.0, 256.0)
+        assert (ours.get_scale(), int(ours._growth_tracker)) == (theirs.get_scale(), int(theirs._growth_tracker))
+    assert ours.get_scale() == 256.0 and ours.skipped_steps == pattern.count("o") and ours.steps == len(pattern)
+
+
 def test_last_skipped_is_about_the_last_step():
     """Used as torch's GradScaler (no begin_step() calls), the last step's outcome is reported, not any earlier one."""
     scaler = DynamicLossScaler("cpu", init_scale=1024.0)
