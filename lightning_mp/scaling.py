@@ -259,7 +259,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self.last_skipped_host = False
             return optimizer.step(*args, **kwargs)
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if fused and "grad_scaler" in inspect.signature(optimizer.step).parameters:
+        if fused and _takes_grad_scaler(type(optimizer)):
             return super().step(optimizer, *args, **kwargs)  # torch's deprecated contract: it passes itself
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
@@ -395,6 +395,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
         lambda self: self._scale.device if self._scale is not None else torch.device(self._device),
         doc="Where the scale and the verdicts live.",
     )
+
+
+_GRAD_SCALER_ARGUMENT: dict[type, bool] = {}
+
+
+def _takes_grad_scaler(optimizer_class: type) -> bool:
+    """torch's deprecated fused contract: ``step(..., grad_scaler=...)`` (read once per class, not every step)."""
+    known = _GRAD_SCALER_ARGUMENT.get(optimizer_class)
+    if known is None:
+        step = getattr(optimizer_class, "step")
+        known = _GRAD_SCALER_ARGUMENT[optimizer_class] = "grad_scaler" in inspect.signature(step).parameters
+    return known
 
 
 _CONSTANTS: dict[tuple[bool, torch.device], torch.Tensor] = {}
