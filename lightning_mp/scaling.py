@@ -71,13 +71,15 @@ class ScalePolicy:
         self, scale: torch.Tensor, growth_tracker: torch.Tensor, budget: torch.Tensor, found_inf: torch.Tensor
     ) -> None:
         """One step: move ``scale`` (float32), ``growth_tracker`` and ``budget`` (int32) in place; ``found_inf`` is
-        a 0-dim bool tensor. Device ops only: no host sync."""
+        a 0-dim float32 (non-zero: an overflow) or bool tensor. Device ops only: no host sync."""
         if self.hysteresis == 1:  # every overflow backs off: torch's rule in its one kernel, and the bounds
+            flag = found_inf if found_inf.dtype == torch.float32 else found_inf.float()
             torch._amp_update_scale_(
-                scale, growth_tracker, found_inf.float(), self.growth_factor, self.backoff_factor, self.growth_interval
+                scale, growth_tracker, flag, self.growth_factor, self.backoff_factor, self.growth_interval
             )
             scale.clamp_(self.min_scale, self.max_scale)
             return
+        found_inf = found_inf if found_inf.dtype == torch.bool else found_inf > 0
         budget_left = budget - found_inf.int()
         backoff = found_inf & (budget_left <= 0)
         previous = scale.clone()
@@ -299,10 +301,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         ]
         if not found_infs:
             raise AssertionError("No inf checks were recorded prior to update().")
-        overflow = (found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()) > 0
-        self.skips.defer(overflow)  # (counted with later ones: a few kernels for many steps)
+        found = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()  # (> 0: an overflow)
+        self.skips.defer(found)  # (counted with later ones: a few kernels for many steps)
         if self.scaling and self.dynamic:
-            self.policy.update_(scale, growth_tracker, cast(torch.Tensor, self._hysteresis_tracker), overflow)
+            self.policy.update_(scale, growth_tracker, cast(torch.Tensor, self._hysteresis_tracker), found)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def update_from(self, verdicts: list[torch.Tensor | bool]) -> None:
@@ -413,10 +415,10 @@ _CONSTANTS: dict[tuple[bool, torch.device], torch.Tensor] = {}
 
 
 def _constant(flag: bool, device: torch.device) -> torch.Tensor:
-    """A 0-dim bool device tensor holding ``flag``, made once (never written: verdicts are copied, not mutated)."""
+    """A 0-dim float32 device flag (1.0: ``flag``), made once (never written: verdicts are copied, not mutated)."""
     key = (flag, device)
     if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(flag, device=device)
+        _CONSTANTS[key] = torch.tensor(float(flag), device=device)
     return _CONSTANTS[key]
 
 

@@ -90,7 +90,13 @@ def test_the_plan_is_decided_once_and_again_after_a_mode_switch():
     assert steps._optimizers[id(opt)].plan is _GENERAL
 
 
-def test_lbfgs_and_fused_optimizers_take_their_own_plans():
+@pytest.mark.parametrize("device_verdict", [True, False])
+def test_lbfgs_and_fused_optimizers_take_their_own_plans(device_verdict, monkeypatch):
+    """A fused optimizer takes the verdict on the device where that spares a sync (CUDA; here the CPU stands in),
+    the host's answer elsewhere: either way a poisoned step leaves the weights and Adam's step count as they were."""
+    import lightning_mp.step as step_module
+
+    monkeypatch.setattr(step_module, "DEVICE_VERDICT_TYPES", ("cuda", "cpu") if device_verdict else ("cuda",))
     model = Net()
     lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
     steps, stats = _steps()
@@ -103,7 +109,8 @@ def test_lbfgs_and_fused_optimizers_take_their_own_plans():
     steps.connect(model, [fused])
     before = [p.detach().clone() for p in model.parameters()]
     _loop(steps, model, fused, _batches(1, poison=0))
-    assert steps._optimizers[id(fused)].plan is _CHECK_ONLY_FUSED  # the fused kernel skips on found_inf
+    # (the fused kernel skips on found_inf, or the host does not call it)
+    assert steps._optimizers[id(fused)].plan is (_CHECK_ONLY_FUSED if device_verdict else _CHECK_ONLY)
     assert stats.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(int(s["step"]) == 0 for s in fused.state.values())  # Adam's step count held too
     _loop(steps, model, fused, _batches(2))
