@@ -379,6 +379,21 @@ def test_the_plugin_pickles_before_and_after_training(mode):
     assert again.stats.steps == plugin.stats.steps == 2
 
 
+def test_a_plugin_with_a_given_gradscaler_pickles_and_keeps_it_shown():
+    """ddp_spawn pickles the plugin: the user's GradScaler and the scaler training runs through stay one scale."""
+    import pickle
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    plugin = MPPlugin("fp16", "cpu", scaler=scaler)
+    make_trainer(plugin, max_steps=2).fit(TinyRegressor(poison_loss=(0,)))
+    assert scaler.get_scale() == 2.0**7  # one backoff, shown by the user's object
+    again = pickle.loads(pickle.dumps(plugin))
+    assert type(again.scaler) is torch.amp.GradScaler and again.scaler.get_scale() == 2.0**7
+    again._run.scaler.ensure_initialized(torch.device("cpu"))  # (torch re-makes the scale tensor after pickling)
+    again._run.scaler.update(2.0**5)  # the copy's training scaler moves: its copy of the user's scaler shows it
+    assert again.scaler.get_scale() == 2.0**5 and scaler.get_scale() == 2.0**7
+
+
 def test_a_given_gradscaler_is_the_one_used():
     """MixedPrecision's contract: MPPlugin("16-mixed", device, scaler=GradScaler(...)) trains with that very scaler."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
