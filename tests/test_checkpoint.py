@@ -112,3 +112,20 @@ def test_corrupted_plugin_entry_is_a_clear_error(tmp_path, entry, match):
     torch.save(checkpoint, path)
     with pytest.raises(ValueError, match=match):
         fit(MPPlugin("fp16"), 4, ckpt_path=path)
+
+
+def test_a_given_gradscaler_resumes_with_the_checkpoints_scale(tmp_path):
+    """fp16 with the user's GradScaler: the scale a checkpoint holds comes back on resume, and the new run's own
+    GradScaler (as given, not changed) shows it."""
+    first_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    trainer, _ = fit(MPPlugin("fp16", "cpu", scaler=first_scaler), 6, poison_loss=(1, 3))
+    assert first_scaler.get_scale() == 2.0**8
+    path = tmp_path / "given.ckpt"
+    trainer.save_checkpoint(path)
+
+    second_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15)
+    plugin = MPPlugin("fp16", "cpu", scaler=second_scaler)
+    fit(plugin, 7, ckpt_path=path)
+    assert type(second_scaler) is torch.amp.GradScaler and plugin.scaler is second_scaler
+    assert second_scaler.get_scale() == 2.0**8  # the checkpoint's scale, not its init_scale
+    assert plugin.stats.skipped_steps == 2 and plugin.stats.steps == 7
