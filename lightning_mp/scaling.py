@@ -260,7 +260,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled:
             self.last_skipped_host = False
             return optimizer.step(*args, **kwargs)
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        fused = verdict.takes_device_verdict(optimizer, self.scaling, self.scale_device)
         if fused and _takes_grad_scaler(type(optimizer)):
             return super().step(optimizer, *args, **kwargs)  # torch's deprecated contract: it passes itself
         if "closure" in kwargs:

@@ -59,10 +59,6 @@ from lightning_mp.verdict import PlannedCheck
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
 
-#: where a fused optimizer in a check-only mode gets the verdict on the device (``found_inf``) to spare a host sync;
-#: elsewhere (the CPU) the host reads the flag for nothing and the optimizer steps without it (tests add "cpu")
-DEVICE_VERDICT_TYPES: tuple[str, ...] = ("cuda",)
-
 #: the plans of an optimizer's steps (see ``OptimizerSteps._plan``)
 _CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL = "check-only", "check-only fused", "closure", "general"
 
@@ -297,10 +293,7 @@ class OptimizerSteps:
             and not self._overlap.installed
             and model.automatic_optimization
         ):
-            fused = (
-                getattr(optimizer, "_step_supports_amp_scaling", False)
-                and scaler.scale_device.type in DEVICE_VERDICT_TYPES
-            )
+            fused = checks.takes_device_verdict(optimizer, False, scaler.scale_device)
             plan = _CHECK_ONLY_FUSED if fused else _CHECK_ONLY
             state.check = PlannedCheck.of(optimizer)
         else:

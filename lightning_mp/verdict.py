@@ -46,6 +46,18 @@ def _one(device: torch.device) -> torch.Tensor:
     return one
 
 
+#: where a fused optimizer of a check-only step gets the verdict on the device (``found_inf``) to spare a host sync;
+#: elsewhere (the CPU) the host reads the flag for nothing and the optimizer steps without it (tests add "cpu")
+DEVICE_VERDICT_TYPES: tuple[str, ...] = ("cuda",)
+
+
+def takes_device_verdict(optimizer: torch.optim.Optimizer, scaling: bool, device: torch.device) -> bool:
+    """Whether ``optimizer`` gets torch's fused protocol (``grad_scale``/``found_inf``): with a loss scale always, as
+    torch's scaler; check-only where a device verdict spares a sync (:data:`DEVICE_VERDICT_TYPES`)."""
+    fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+    return bool(fused) and (scaling or device.type in DEVICE_VERDICT_TYPES)
+
+
 # ---------------------------------------------------------------------- the checks
 def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
     """Find inf/NaN among ``optimizer``'s gradients, dividing nothing; returns ``found_inf`` (or a flag per device).

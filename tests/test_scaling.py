@@ -328,15 +328,23 @@ def test_fused_optimizer_gets_grad_scale_and_found_inf_as_from_torch(opt_name, u
 
 
 @pytest.mark.parametrize("unscale_first", [False, True])
-def test_fused_optimizer_in_check_only_mode(unscale_first):
-    """``scaling=False``: no scale to divide by, so the fused kernel gets ``grad_scale=None`` (no multiply by 1 in
-    its kernel, no kernel to make the 1), and it skips on found_inf on the device."""
+@pytest.mark.parametrize("device_verdict", [True, False])
+def test_fused_optimizer_in_check_only_mode(unscale_first, device_verdict, monkeypatch):
+    """``scaling=False``: no scale to divide by. Where a device verdict spares a sync (CUDA; the CPU stands in here)
+    the fused kernel gets ``grad_scale=None`` (no multiply by 1 in its kernel, no kernel to make the 1) and skips on
+    found_inf on the device; elsewhere the host reads the verdict and does not call the optimizer on a skip."""
+    import lightning_mp.verdict as verdict_module
+
+    monkeypatch.setattr(verdict_module, "DEVICE_VERDICT_TYPES", ("cuda", "cpu") if device_verdict else ("cuda",))
     scaler = DynamicLossScaler("cpu", scaling=False)
     fused_adam = lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True)  # noqa: E731
     _, _, seen = _fused_run(scaler, fused_adam, ".o", unscale_first=unscale_first)
-    assert [None if s is None else s.item() for s, _ in seen] == [None, None]
-    assert [f.item() for _, f in seen] == [0.0, 1.0]
-    assert scaler.skipped_steps == 1
+    if device_verdict:
+        assert [None if s is None else s.item() for s, _ in seen] == [None, None]
+        assert [f.item() for _, f in seen] == [0.0, 1.0]
+    else:
+        assert [(s, f) for s, f in seen] == [(None, None)]  # stepped once, without the fused protocol
+    assert scaler.skipped_steps == 1 and scaler.last_skipped
 
 
 @pytest.mark.parametrize("scaling", [True, False])

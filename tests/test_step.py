@@ -94,9 +94,9 @@ def test_the_plan_is_decided_once_and_again_after_a_mode_switch():
 def test_lbfgs_and_fused_optimizers_take_their_own_plans(device_verdict, monkeypatch):
     """A fused optimizer takes the verdict on the device where that spares a sync (CUDA; here the CPU stands in),
     the host's answer elsewhere: either way a poisoned step leaves the weights and Adam's step count as they were."""
-    import lightning_mp.step as step_module
+    import lightning_mp.verdict as verdict_module
 
-    monkeypatch.setattr(step_module, "DEVICE_VERDICT_TYPES", ("cuda", "cpu") if device_verdict else ("cuda",))
+    monkeypatch.setattr(verdict_module, "DEVICE_VERDICT_TYPES", ("cuda", "cpu") if device_verdict else ("cuda",))
     model = Net()
     lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=2)
     steps, stats = _steps()
