@@ -834,6 +834,8 @@ class FP32MasterWeights(MasterWeights):
     def _rederive(self, entry: _Entry) -> None:
         with torch.no_grad():
             weight, master = entry.param.detach(), cast(Tensor, entry.held).detach()
+            # (after fit, Lightning's teardown moves the model to the CPU; the masters stay where they are)
+            weight = weight if weight.device == master.device else weight.to(master.device)
             # elements written with the value they had (Embedding(max_norm=...) renormalises in place on every
             # forward) keep their master's low bits; the others start from the weight. On the device: no sync
             master.copy_(torch.where(master.to(weight.dtype) == weight, master, weight.float()))

@@ -275,3 +275,24 @@ def test_the_check_taken_on_a_side_stream_during_backward_gives_the_same_steps_a
     assert all(torch.equal(a, b) for a, b in zip(overlapped, after))
     _, skipped = run(0, poison=3)
     assert skipped == 1
+
+
+@pytest.mark.parametrize("master_weights", ["fp32", "kahan"])
+def test_checkpoint_after_fit_and_a_second_fit_on_cuda(tmp_path, master_weights):
+    """After fit, Lightning's teardown moves the model to the CPU while the masters stay on the GPU:
+    ``trainer.save_checkpoint`` must still work (plain tensors), and a second fit continues from the trained
+    weights."""
+    seed_everything(0)
+    plugin = MPPlugin("bf16-true", master_weights=master_weights)
+    model = BNNet(poison=-1)
+    fit = trainer(plugin)
+    fit.fit(model)
+    path = tmp_path / "after_fit.ckpt"
+    fit.save_checkpoint(path)  # the plugin's state while the model sits on the CPU
+    state = torch.load(path, weights_only=True)
+    assert state["MPPlugin"]["master_weights"]["kind"] == master_weights
+    trained = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    second = trainer(plugin)
+    second.fit(model)
+    assert plugin.stats.steps == 6 and not any(torch.isnan(p).any() for p in model.parameters())
+    assert any(not torch.equal(trained[k].cpu(), v.detach().cpu()) for k, v in model.state_dict().items())
