@@ -134,7 +134,8 @@ class MPPlugin(MixedPrecision, FSDPPrecision):
         "The loss scaler (fp16 modes; ``None`` where the loss is not scaled, as Lightning's): a"
         " ``torch.amp.GradScaler`` given is this one. Steps are checked in every mode: see ``skips_nonfinite``."))
     skips_nonfinite = property(
-        lambda self: self._run.scaler is not None, doc="Whether steps with inf/NaN gradients are skipped (this mode)."
+        lambda self: self._run.scaler is not None and getattr(self._run.scaler, "is_enabled", lambda: True)(),
+        doc="Whether steps with inf/NaN gradients are skipped (this mode).",
     )
     device = property(lambda self: self._run.device, doc="The device type the run uses.")
     _fp8 = property(lambda self: self._run.fp8)

@@ -467,8 +467,10 @@ def adopt_scaler(given: Any, *, sharded: bool = False) -> DynamicLossScaler:
             f" {type(given).__name__}."
         )
     target = ShardedDynamicLossScaler if sharded else DynamicLossScaler
-    if not given.is_enabled():  # a disabled GradScaler keeps no settings: ours is disabled too
-        return target(given._device, enabled=False)
+    if not given.is_enabled():  # a disabled GradScaler keeps no settings: ours is disabled too (and shows it)
+        disabled = target(given._device, enabled=False)
+        disabled.twin = given
+        return disabled
     scaler = target(
         given._device,
         init_scale=given._init_scale if given._scale is None else float(given.get_scale()),

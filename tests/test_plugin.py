@@ -394,6 +394,17 @@ def test_a_plugin_with_a_given_gradscaler_pickles_and_keeps_it_shown():
     assert again.scaler.get_scale() == 2.0**5 and scaler.get_scale() == 2.0**7
 
 
+def test_a_given_disabled_gradscaler_is_the_one_shown_and_nothing_is_scaled():
+    """MixedPrecision's contract with ``GradScaler(enabled=False)``: trainer.scaler is it; the loss is not scaled and
+    no step is skipped (torch's disabled scaler steps on anything), as with Lightning's plugin."""
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    plugin = MPPlugin("16-mixed", "cpu", scaler=scaler)
+    trainer = make_trainer(plugin, max_steps=3)
+    trainer.fit(TinyRegressor())
+    assert trainer.scaler is scaler and not scaler.is_enabled() and scaler.get_scale() == 1.0
+    assert plugin.stats.steps == 3 and plugin.stats.skipped_steps == 0 and not plugin.skips_nonfinite
+
+
 def test_a_given_gradscaler_is_the_one_used():
     """MixedPrecision's contract: MPPlugin("16-mixed", device, scaler=GradScaler(...)) trains with that very scaler."""
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
