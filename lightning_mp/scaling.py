@@ -323,9 +323,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self.skips.count_known(any(verdicts))
             if self.scaling and self.dynamic:  # (a static scale or none: nothing moves)
                 budget = cast(torch.Tensor, self._hysteresis_tracker)  # (made with the scale)
-                self.policy.update_(scale, tracker, budget, _constant(any(verdicts), scale.device))
+                self.policy.update_(scale, tracker, budget, verdict.constant(float(any(verdicts)), scale.device))
             return
-        found = _amax([_constant(v, scale.device) if isinstance(v, bool) else v for v in verdicts])
+        found = _amax([verdict.constant(float(v), scale.device) if isinstance(v, bool) else v for v in verdicts])
         self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: found.to(scale.device)}
         self.update()
 
@@ -409,17 +409,6 @@ def _takes_grad_scaler(optimizer_class: type) -> bool:
         step = getattr(optimizer_class, "step")
         known = _GRAD_SCALER_ARGUMENT[optimizer_class] = "grad_scaler" in inspect.signature(step).parameters
     return known
-
-
-_CONSTANTS: dict[tuple[bool, torch.device], torch.Tensor] = {}
-
-
-def _constant(flag: bool, device: torch.device) -> torch.Tensor:
-    """A 0-dim float32 device flag (1.0: ``flag``), made once (never written: verdicts are copied, not mutated)."""
-    key = (flag, device)
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(float(flag), device=device)
-    return _CONSTANTS[key]
 
 
 def _amax(flags: list[torch.Tensor]) -> torch.Tensor:

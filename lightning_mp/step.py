@@ -55,7 +55,6 @@ from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
 import lightning_mp.verdict as checks
 from lightning_mp.scaling import DynamicLossScaler
-from lightning_mp.verdict import PlannedCheck
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
 
@@ -85,7 +84,7 @@ class _OptimizerState:
     #: the plan of its steps, decided at its first step and kept (``None``: not decided yet; see ``_plan``)
     plan: Optional[str] = None
     #: the check-only plans' inf/NaN check, planned from the parameters (``None``: the general check)
-    check: Optional[PlannedCheck] = None
+    check: Optional[checks.PlannedCheck] = None
     #: the non-fused check-only plan's flag, read as 0 by the host at the last step (reused by the next)
     clean_flag: Optional[Tensor] = None
 
@@ -293,9 +292,9 @@ class OptimizerSteps:
             and not self._overlap.installed
             and model.automatic_optimization
         ):
-            fused = checks.takes_device_verdict(optimizer, False, scaler.scale_device)
+            fused = checks.takes_device_verdict(optimizer, scaling=False, device=scaler.scale_device)
             plan = _CHECK_ONLY_FUSED if fused else _CHECK_ONLY
-            state.check = PlannedCheck.of(optimizer)
+            state.check = checks.PlannedCheck.of(optimizer)
         else:
             plan = _GENERAL
         state.plan = plan
@@ -323,8 +322,8 @@ class OptimizerSteps:
                 flag = state.clean_flag if state.clean_flag is not None else torch.zeros((), device=scaler.scale_device)
                 state.clean_flag = None
                 check = state.check
-                if check is not None and check.count != PlannedCheck.count_of(optimizer):  # add_param_group
-                    check = state.check = PlannedCheck.of(optimizer)
+                if check is not None and check.count != checks.PlannedCheck.count_of(optimizer):  # add_param_group
+                    check = state.check = checks.PlannedCheck.of(optimizer)
                 found = check.found_inf(flag) if check is not None else None
                 if found is None:
                     found = checks.check_grads_(optimizer, flag)

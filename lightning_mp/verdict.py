@@ -36,14 +36,17 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 #: bound by the host, where one launch beats five and a stack of every gradient's maximum (measured on a 46
 #: M-parameter GPT on an H100: benchmarks/RESULTS.md)
 FUSED_CHECK_MAX_NUMEL = 1 << 27
-_ONES: dict[torch.device, torch.Tensor] = {}
+_CONSTANTS: dict[tuple[float, torch.device], torch.Tensor] = {}
 
 
-def _one(device: torch.device) -> torch.Tensor:
-    one = _ONES.get(device)
-    if one is None:
-        one = _ONES[device] = torch.ones((), dtype=torch.float32, device=device)
-    return one
+def constant(value: float, device: torch.device) -> torch.Tensor:
+    """A 0-dim float32 device tensor holding ``value``, made once per device (never written: kernels read it, verdicts
+    that start from it are copied)."""
+    key = (value, device)
+    tensor = _CONSTANTS.get(key)
+    if tensor is None:
+        tensor = _CONSTANTS[key] = torch.full((), value, dtype=torch.float32, device=device)
+    return tensor
 
 
 #: where a fused optimizer of a check-only step gets the verdict on the device (``found_inf``) to spare a host sync;
@@ -125,7 +128,7 @@ class PlannedCheck:
         device = params[0].device
         #: the scale of 1 of torch's fused check-and-unscale kernel where :func:`check_tensors_` would take it
         fused = numel <= FUSED_CHECK_MAX_NUMEL and (dtype != torch.bfloat16 or device.type != "cuda")
-        self.one = _one(device) if fused else None
+        self.one = constant(1.0, device) if fused else None
 
     @staticmethod
     def count_of(optimizer: torch.optim.Optimizer) -> int:
@@ -175,7 +178,7 @@ def check_tensors_(per_dtype: dict[torch.dtype, list[torch.Tensor]], numel: int,
         for dtype, tensors in _real_views(per_dtype).items():
             # (torch's CUDA kernel takes fp32 and fp16 only; bf16 gradients take the inf-norm there)
             if numel <= FUSED_CHECK_MAX_NUMEL and (dtype is not torch.bfloat16 or flag.device.type != "cuda"):
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, _one(flag.device))
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, constant(1.0, flag.device))
             else:
                 rest.append(tensors)
         if rest:
@@ -269,16 +272,21 @@ class Verdicts:
             return None
         return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
 
+    def _takeable(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
+        """The optimizer's state where a check-only scaler may take a verdict from a source (none set yet)."""
+        scaler = self.scaler
+        if not scaler.is_enabled() or scaler.scaling:
+            return None
+        state = scaler._per_optimizer_states[id(optimizer)]
+        return state if state["stage"] is OptState.READY else None
+
     def take_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> bool:
         """Check-only scalers: this step's verdict is ``found`` (a 0/1 float flag from a check made elsewhere over every
         gradient the optimizer will apply: the master weights' gather). Returns whether it was taken."""
-        scaler = self.scaler
-        if not scaler.is_enabled() or scaler.scaling:
+        state = self._takeable(optimizer)
+        if state is None:
             return False
-        state = scaler._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not OptState.READY:
-            return False
-        scaler._check_scale_growth_tracker("the verdict")
+        self.scaler._check_scale_growth_tracker("the verdict")
         state["found_inf_per_device"] = {found.device: found}
         state["stage"] = OptState.UNSCALED
         return True
@@ -287,8 +295,7 @@ class Verdicts:
         """Check-only scalers: the verdict from a value computed over every gradient (a total norm), inf/NaN when any
         gradient is (or when finite gradients are so large, beyond ~1e19, that their norm overflows: such a step is
         skipped too). Spares the separate check pass. Returns whether the verdict was taken."""
-        scaler = self.scaler
-        if not scaler.is_enabled() or scaler.scaling or self.stage(optimizer) is not OptState.READY:
+        if self._takeable(optimizer) is None:
             return False  # (checked first: no flag kernel for a verdict that would not be taken)
         return self.take_(optimizer, (~torch.isfinite(total.detach())).float())
 
