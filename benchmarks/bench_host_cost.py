@@ -115,9 +115,21 @@ def make_batches(kind: str, n: int) -> list:
     return [torch.randint(0, 32768, (8, 513), generator=g) for _ in range(n)]
 
 
+def plugin(spec: str) -> MPPlugin:
+    """``"bf16-true"``, or a variant such as ``"bf16-true/master_weights=none/fp32_modules=none"`` (``none`` for
+    ``fp32_modules`` is the empty list; other values are passed as strings, ``true``/``false`` as booleans)."""
+    name, *options = spec.split("/")
+    kw: dict[str, Any] = {}
+    for option in options:
+        key, value = option.split("=", 1)
+        kw[key] = ([] if key == "fp32_modules" and value == "none"
+                   else {"true": True, "false": False}.get(value, value))
+    return MPPlugin(name, **kw)
+
+
 def run_round(mode: str, model: nn.Module, batches: list, args, accelerator: str) -> list[float]:
     lit_precision = mode[len("lightning-"):] if mode.startswith("lightning-") else None
-    kwargs: dict[str, Any] = {"precision": lit_precision} if lit_precision else {"plugins": [MPPlugin(mode[3:])]}
+    kwargs: dict[str, Any] = {"precision": lit_precision} if lit_precision else {"plugins": [plugin(mode[3:])]}
     timer = Timer(args.warmup, accelerator == "gpu")
     timer.steps = args.steps
     trainer = Trainer(accelerator=accelerator, devices=1, max_steps=args.warmup + args.steps, logger=False,
@@ -139,7 +151,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per round (default 10)")
     p.add_argument("--steps", type=int, default=60, help="timed steps per round (default 60)")
     p.add_argument("--pairs", default=",".join(m for _, m in PAIRS),
-                   help="our modes to run, each beside Lightning's (default: all four)")
+                   help="our modes to run, each beside Lightning's (default: all four); a variant names its options "
+                        "after the mode: bf16-true/master_weights=none/fp32_modules=none")
     p.add_argument("--cpu-time", action="store_true",
                    help="time the process's CPU time instead of wall time (with one thread: the host work alone, "
                         "unaffected by other processes on a shared machine)")
@@ -153,11 +166,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     args.model = args.model or ("gpt" if cuda else "mlp")
     accelerator = "gpu" if cuda and args.model == "gpt" else "cpu"
     device = torch.device("cuda" if accelerator == "gpu" else "cpu")
-    wanted = set(args.pairs.split(","))
+    wanted = args.pairs.split(",")
+    lightning = dict((ours, lit) for lit, ours in PAIRS)
+    unknown = [w for w in wanted if w.split("/")[0] not in lightning]
+    if unknown:
+        p.error(f"--pairs {unknown}: use our modes {sorted(lightning)}, optionally with /option=value variants")
+    pairs = [(lightning[w.split("/")[0]], w) for w in wanted]
     modes = []
-    for lit, ours in PAIRS:
-        if ours in wanted:
-            modes += [f"lightning-{lit}", f"mp-{ours}"]
+    for lit, ours in pairs:
+        modes += [m for m in (f"lightning-{lit}", f"mp-{ours}") if m not in modes]
     models = {m: build(args.model, device) for m in modes}
     batches = make_batches(args.model, args.warmup + args.steps)
     times: dict[str, list[float]] = {m: [] for m in modes}
@@ -171,9 +188,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("| mode | Lightning ms (IQR) | MPPlugin ms (IQR) | ratio (Lightning / ours) |")
     print("|---|---|---|---|")
     rows = []
-    for lit, ours in PAIRS:
-        if ours not in wanted:
-            continue
+    for lit, ours in pairs:
         a, b = measurement(lit, times[f"lightning-{lit}"]), measurement(ours, times[f"mp-{ours}"])
         ratio = a.median / b.median
         rows.append({"lightning": lit, "ours": ours, "lightning_ms": a.median * 1e3, "lightning_iqr_ms": a.iqr * 1e3,

@@ -5,7 +5,8 @@ values), timed with CUDA events, median of ``--iters`` runs after warm-up:
 
 - ``amp-unscale``: ``torch._amp_foreach_non_finite_check_and_unscale_`` with scale 1 (what GradScaler's
   check costs: it reads and writes every gradient);
-- ``check-only``: DynamicLossScaler(scaling=False)'s read-only check (``torch._foreach_norm(grads, inf)``);
+- ``check-only``: the step guard's read-only check (``NonfiniteGuard``; ``torch._foreach_norm(grads, inf)``
+  at this size);
 - ``fused-adamw``: one fused AdamW step on the same parameters, for scale.
 
 Run: ``PYTHONPATH=. python benchmarks/bench_nonfinite_check.py``

@@ -26,7 +26,6 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_host_cost as bhc  # noqa: E402
 
-from lightning_mp import MPPlugin  # noqa: E402
 
 LIGHTNING = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true"}
 
@@ -37,38 +36,42 @@ def _sync() -> None:
 
 
 class Sync(Callback):
-    def __init__(self, warmup: int) -> None:
+    """Times the steps after the warm-up (synchronised at their start and at the end); with ``prof``, profiles only
+    them (set-up, the warm-up and teardown stay out of the kernel counts)."""
+
+    def __init__(self, warmup: int, prof: bool = False) -> None:
         self.warmup, self.t0, self.t1 = warmup, 0.0, 0.0
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) if prof else None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == self.warmup:
             _sync()
+            if self.prof is not None:
+                self.prof.__enter__()
             self.t0 = time.perf_counter()
 
     def on_train_end(self, trainer, pl_module):
         _sync()
         self.t1 = time.perf_counter()
+        if self.prof is not None:
+            self.prof.__exit__(None, None, None)
 
 
 def fit(mode: str, model, batches, steps: int, warmup: int, prof: bool = False):
     if mode.startswith("lit-"):
         kwargs = {"precision": mode[4:]}
     else:  # "bf16-true", or variants such as "bf16-true/master_weights=none/fp32_modules=none"
-        name, *options = mode.split("/")
-        kw = dict(o.split("=") for o in options)
-        kwargs = {"plugins": [MPPlugin(name, **{k: [] if v == "none" and k == "fp32_modules" else v
-                                                for k, v in kw.items()})]}
-    sync = Sync(warmup)
+        kwargs = {"plugins": [bhc.plugin(mode)]}
+    sync = Sync(warmup, prof)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     trainer = Trainer(accelerator=accelerator, devices=1, max_steps=warmup + steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[sync], **kwargs)
     lit = bhc.Lit(model, batches, "gpt", True)
+    trainer.fit(lit)
     if not prof:
-        trainer.fit(lit)
         return (sync.t1 - sync.t0) / steps, None
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-        trainer.fit(lit)
+    p = sync.prof
     kernels = [e for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     ops = {a.key: (a.count, a.self_cpu_time_total) for a in p.key_averages()}
     return None, (kernels, ops)
@@ -106,7 +109,7 @@ def main() -> None:
             model = bhc.build("gpt", torch.device("cpu"))
             fit(mode, model, batches, 10, 5)
             wall = sorted(fit(mode, model, batches, args.steps, 5)[0] for _ in range(3))[1]
-            _, (kernels, ops) = fit(mode, model, batches, args.steps, 0, prof=True)
+            _, (kernels, ops) = fit(mode, model, batches, args.steps, 5, prof=True)
             n = args.steps
             busy = busy_ms(kernels) / n
             counts[mode] = collections.Counter(k.name for k in kernels)

@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and documentation too
         stochastic_round,
     )
     from lightning_mp.modes import PrecisionMode, parse_precision, resolve_mode
+    from lightning_mp.nonfinite import NonfiniteGuard
     from lightning_mp.plugin import MPPlugin
     from lightning_mp.prepare import prepare_fp8
     from lightning_mp.scaling import DynamicLossScaler
@@ -52,6 +53,7 @@ __all__ = [
     "MasterWeights",
     "NonFiniteDetector",
     "NonFiniteReport",
+    "NonfiniteGuard",
     "PrecisionMonitor",
     "PrecisionSchedule",
     "StochasticRounding",
@@ -96,6 +98,7 @@ _SOURCES = {
     "PrecisionMode": "lightning_mp.modes",
     "parse_precision": "lightning_mp.modes",
     "resolve_mode": "lightning_mp.modes",
+    "NonfiniteGuard": "lightning_mp.nonfinite",
     "MPPlugin": "lightning_mp.plugin",
     "prepare_fp8": "lightning_mp.prepare",
     "DynamicLossScaler": "lightning_mp.scaling",

@@ -29,8 +29,9 @@ def plugin_state(
     state: dict[str, Any] = {"mode": mode, "optimizers": [s.state_dict() for s in stats.per_optimizer]}
     if spike is not None:
         state["spike"] = spike.state_dict()
-    if scaler is not None:
-        state["scaler"] = scaler.state_dict()
+    scaler_state = scaler.state_dict() if scaler is not None else {}
+    if scaler_state:  # (a loss scaler's: the step guard of the other modes keeps nothing, a disabled scaler neither)
+        state["scaler"] = scaler_state
     if masters is not None:
         state["master_weights"] = masters.state_dict()
     if fp8 is not None:

@@ -24,6 +24,7 @@ from lightning_mp.modes import (
     resolve_mode,
 )
 from lightning_mp.patches import Patches
+from lightning_mp.nonfinite import NonfiniteGuard, StepGuard
 from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler, adopt_scaler
 from lightning_mp.settings import LossScaleSettings, MPSettings
 from lightning_mp.true_half import MasterWeightsSetup
@@ -50,7 +51,8 @@ class RunPrecision:
         self.device = device
         self.weights = weights
         self.mode: Optional[PrecisionMode] = None
-        self.scaler: Optional[DynamicLossScaler] = None
+        #: the loss scaler (fp16 modes), the inf/NaN step guard (other modes), or ``None`` (``skip_nonfinite=False``)
+        self.scaler: Optional[StepGuard] = None
         self.fp8: Optional[FP8Training] = None
         self.sharded = False  # under Lightning's FSDP strategy (picks the scaler class)
         self._tf32_saved: Optional[tuple[bool, bool]] = None
@@ -87,14 +89,14 @@ class RunPrecision:
             if self.mode is not None:
                 self.set_mode(self.mode)  # the scaler's class changes, its state carries over
 
-    def _build_scaler(self, mode: PrecisionMode, previous: Optional[DynamicLossScaler]) -> Optional[DynamicLossScaler]:
+    def _build_scaler(self, mode: PrecisionMode, previous: Optional[StepGuard]) -> Optional[StepGuard]:
         if self.settings.scaler is not None:  # (a mode that does not scale the loss was refused by check_mode)
             return adopt_scaler(self.settings.scaler, sharded=self.sharded)
-        if not (mode.needs_scaler or self.settings.skips.skip_nonfinite):
-            return None
-        scaler = make_scaler(self.settings.scaling, self.device, scaling=mode.needs_scaler, sharded=self.sharded)
-        if previous is not None and previous.initialized:
-            scaler.load_state_dict(previous.state_dict())
+        if not mode.needs_scaler:
+            return NonfiniteGuard(self.device, sharded=self.sharded) if self.settings.skips.skip_nonfinite else None
+        scaler = make_scaler(self.settings.scaling, self.device, sharded=self.sharded)
+        if isinstance(previous, DynamicLossScaler) and previous.initialized:
+            scaler.load_state_dict(previous.state_dict())  # (the scale carries over; the counts are the plugin's)
         return scaler
 
     def connect(self, device: torch.device) -> None:
@@ -209,7 +211,7 @@ class RunPrecision:
 
 
 
-def make_scaler(settings: LossScaleSettings, device: str, *, scaling: bool, sharded: bool) -> DynamicLossScaler:
-    """The loss scaler the settings describe (``scaling=False``: the inf/NaN check alone; ``sharded``: FSDP's)."""
+def make_scaler(settings: LossScaleSettings, device: str, *, sharded: bool) -> DynamicLossScaler:
+    """The loss scaler the settings describe (``sharded``: FSDP's)."""
     cls = ShardedDynamicLossScaler if sharded else DynamicLossScaler
-    return cls(device, **settings.scaler_arguments(), dynamic=settings.dynamic, scaling=scaling)
+    return cls(device, **settings.scaler_arguments(), dynamic=settings.dynamic)

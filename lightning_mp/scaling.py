@@ -32,7 +32,7 @@ from lightning_mp.settings import (
     check_scale,
     check_scaler_arguments,
 )
-from lightning_mp.stats import SkipCounters
+from lightning_mp.stats import SkipCounters, StatsCounts, StepStats
 from lightning_mp.verdict import (  # noqa: F401  (the checks' names, re-exported where they used to live)
     FUSED_CHECK_MAX_NUMEL,
     PlannedCheck,
@@ -98,7 +98,7 @@ class ScalePolicy:
 
 # ---------------------------------------------------------------------- the scaler
 class DynamicLossScaler(torch.amp.GradScaler):
-    """A ``torch.amp.GradScaler`` with hysteresis, a min/max scale, skip counters and a check-only mode.
+    """A ``torch.amp.GradScaler`` with hysteresis, a min/max scale and skip counters.
 
     Example::
 
@@ -122,11 +122,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
             row back off, as DeepSpeed's); ``False`` only when the scale grows (Megatron-LM's behaviour).
         min_scale, max_scale: the scale stays in ``[min_scale, max_scale]``.
         dynamic: ``False`` keeps the scale at ``init_scale`` (a static loss scale); steps are still skipped.
-        scaling: ``False`` runs only the non-finite step guard: the loss is not scaled (scale stays 1) but
-            inf/NaN gradients are still found and the step skipped; this is how bf16/fp32 skip steps.
+    The modes without a loss scale skip steps with :class:`~lightning_mp.nonfinite.NonfiniteGuard` instead.
+    Inside :class:`~lightning_mp.MPPlugin` the counts (``skipped_steps``...) are the plugin's ``stats``, summed over
+    optimizers (:meth:`counts_from`): skips are counted in one place.
     Values a float32 (scales) or int32 tensor cannot hold raise ``ValueError`` here, not in training.
     """
 
+    #: the loss is scaled (the step guard of the modes without a scale, ``NonfiniteGuard``, says ``False``)
+    scaling = True
     #: whether this scaler's own checks already give every rank the same verdict (then no extra all-reduce)
     verdict_agrees_across_ranks = False
     #: whether this scaler's class is the sharded one (FSDP)
@@ -146,20 +149,19 @@ class DynamicLossScaler(torch.amp.GradScaler):
         min_scale: float = DEFAULTS["min_scale"],
         max_scale: float = DEFAULTS["max_scale"],
         dynamic: bool = True,
-        scaling: bool = True,
     ) -> None:
         given: dict[str, Any] = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                      growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
                                      max_scale=max_scale)  # (checked unless disabled: torch ignores them then)
-        c: dict[str, Any] = check_scaler_arguments(**given, scaling=scaling) if enabled else given
-        super().__init__(device, init_scale=c["init_scale"] if scaling else 1.0, growth_factor=c["growth_factor"],
+        c: dict[str, Any] = check_scaler_arguments(**given) if enabled else given
+        super().__init__(device, init_scale=c["init_scale"], growth_factor=c["growth_factor"],
                          backoff_factor=c["backoff_factor"], growth_interval=c["growth_interval"], enabled=enabled)
         self.hysteresis, self.consecutive_hysteresis = c["hysteresis"], consecutive_hysteresis
         self.min_scale, self.max_scale = c["min_scale"], c["max_scale"]
-        self.dynamic, self.scaling = dynamic, scaling
+        self.dynamic = dynamic
         self._hysteresis_tracker: Optional[torch.Tensor] = None  # device-side, made with the scale
         self._init_hysteresis_tracker = c["hysteresis"]
-        self.skips = SkipCounters()
+        self.skips: SkipCounters | StatsCounts = SkipCounters()
         self.verdicts = Verdicts(self)
         #: the ``torch.amp.GradScaler`` a user gave (:func:`adopt_scaler`): it shares the scale and growth tensors
         self.twin: Optional[torch.amp.GradScaler] = None
@@ -194,33 +196,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     initialized = property(lambda self: self._scale is not None)
 
+    def counts_from(self, stats: StepStats) -> None:
+        """Count nothing here: the counts are the plugin's ``stats`` (skips are counted in one place)."""
+        self.skips = StatsCounts(stats)
+
     # ------------------------------------------------------------------ the training-step API
-    def scale(self, outputs: Any) -> Any:
-        if self.scaling or not self._enabled:
-            return super().scale(outputs)
-        tensor = outputs if isinstance(outputs, torch.Tensor) else next(iter(outputs), None)
-        if isinstance(tensor, torch.Tensor):
-            self.ensure_initialized(tensor.device)
-        return outputs  # check-only: multiplying by 1 would cost a kernel and change nothing
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """``GradScaler.unscale_``; in check-only mode (no loss scale) the check alone, without torch's reciprocal of a
-        scale of 1 (the sharded scaler keeps torch's path: it reduces the verdict over the process group there)."""
-        if self.scaling or not self._enabled or self.sharded:
-            return super().unscale_(optimizer)
-        scale = self._check_scale_growth_tracker("unscale_")[0]
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is not OptState.READY:  # (torch's messages)
-            stepped = state["stage"] is OptState.STEPPED
-            raise RuntimeError("unscale_() is being called after step()." if stepped else
-                               "unscale_() has already been called on this optimizer since the last update().")
-        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state["found_inf_per_device"] = verdict.check_grads_(optimizer, found_inf)
-        state["stage"] = OptState.UNSCALED
-
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16=True):  # (ShardedGradScaler's default)
-        if not self.scaling:
-            return verdict.check_grads_(optimizer, found_inf)
         # fp16 gradients are legal here: half-precision weights keep half gradients;
         # torch only refuses them because unscaling could underflow them.
         return super()._unscale_grads_(verdict.real_gradients(optimizer), inv_scale, found_inf, True)
@@ -241,10 +222,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         found = [f.to(scale.device, non_blocking=True) for f in optimizer_state["found_inf_per_device"].values()]
         # one 0/1 flag (fused kernels skip on exactly 1; torch sums the devices' flags)
         optimizer.found_inf = _amax(found)  # type: ignore[attr-defined]
-        # gradients unscale_ already divided, or never scaled (check-only), need no scale; else the scale, times any
-        # the user set
+        # gradients unscale_ already divided need no scale; else the scale, times any the user set
         user = getattr(optimizer, "grad_scale", None)
-        unscaled = optimizer_state["stage"] is OptState.UNSCALED or not self.scaling
+        unscaled = optimizer_state["stage"] is OptState.UNSCALED
         optimizer.grad_scale = user if unscaled else scale * (1 if user is None else user)  # type: ignore[attr-defined]
         try:
             return optimizer.step(*args, **kwargs)
@@ -260,7 +240,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if not self._enabled:
             self.last_skipped_host = False
             return optimizer.step(*args, **kwargs)
-        fused = verdict.takes_device_verdict(optimizer, self.scaling, self.scale_device)
+        fused = verdict.takes_device_verdict(optimizer, True, self.scale_device)
         if fused and _takes_grad_scaler(type(optimizer)):
             return super().step(optimizer, *args, **kwargs)  # torch's deprecated contract: it passes itself
         if "closure" in kwargs:
@@ -303,34 +283,28 @@ class DynamicLossScaler(torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update().")
         found = found_infs[0] if len(found_infs) == 1 else torch.stack(found_infs).sum()  # (> 0: an overflow)
         self.skips.defer(found)  # (counted with later ones: a few kernels for many steps)
-        if self.scaling and self.dynamic:
+        if self.dynamic:
             self.policy.update_(scale, growth_tracker, cast(torch.Tensor, self._hysteresis_tracker), found)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     def update_from(self, verdicts: list[torch.Tensor | bool]) -> None:
         """One update for a training batch, from the verdicts of every optimizer that stepped in it: device flags, or
         ``True``/``False`` where the host knows the outcome (a non-fused optimizer's step, which paid torch's sync).
-        Outcomes the host knows are counted without a kernel (the scale, if it moves, in one or two), check-only
-        device flags later, with others."""
+        Outcomes the host knows are counted without a kernel (the scale, if it moves, in one or two)."""
         if not self._enabled:
             return
         self._per_optimizer_states.clear()
         flags = [v for v in verdicts if not isinstance(v, bool)]
-        if not self.scaling and flags and not any(v is True for v in verdicts):
-            return self.skips.defer(_amax(flags))
         scale, tracker = self._check_scale_growth_tracker("update")
         if not flags:
             self.skips.count_known(any(verdicts))
-            if self.scaling and self.dynamic:  # (a static scale or none: nothing moves)
+            if self.dynamic:  # (a static scale: nothing moves)
                 budget = cast(torch.Tensor, self._hysteresis_tracker)  # (made with the scale)
                 self.policy.update_(scale, tracker, budget, verdict.constant(float(any(verdicts)), scale.device))
             return
         found = _amax([verdict.constant(float(v), scale.device) if isinstance(v, bool) else v for v in verdicts])
         self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: found.to(scale.device)}
         self.update()
-
-    def get_scale(self) -> float:
-        return super().get_scale() if self.scaling else 1.0
 
     # ------------------------------------------------------------------ counts (each read syncs)
     steps = property(lambda self: self.skips.value(0))
@@ -358,7 +332,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
             "dynamic": self.dynamic,
-            "scaling": self.scaling,
             **dict(zip(SkipCounters.NAMES, self.skips.values())),
         }
 
@@ -380,7 +353,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             "_hysteresis_tracker", state_dict.get("_hysteresis_tracker", self.hysteresis), _INT32.min, _INT32.max,
             "an int32 tensor; below 0 after overflows past the budget is normal",
         )
-        if self.scaling and state_dict.get("scaling", True):
+        if state_dict.get("scaling", True):  # (an older checkpoint's check-only state holds no loss scale)
             super().load_state_dict(torch_state)
         self.skips.load(counters)
         self._init_hysteresis_tracker = tracker
@@ -479,8 +452,8 @@ class ShardedDynamicLossScaler(DynamicLossScaler, ShardedGradScaler):
     """:class:`DynamicLossScaler` on top of torch's ``ShardedGradScaler``, for FSDP.
 
     ``ShardedGradScaler`` unscales gradient shards wherever they live (CPU offload included) and sums the
-    inf/NaN verdict over the process group inside ``unscale_``; hysteresis, min/max scale, counters and the
-    check-only mode are :class:`DynamicLossScaler`'s. MPPlugin picks it under Lightning's FSDP strategy.
+    inf/NaN verdict over the process group inside ``unscale_``; hysteresis, min/max scale and counters are
+    :class:`DynamicLossScaler`'s. MPPlugin picks it under Lightning's FSDP strategy.
     """
 
     sharded = True

@@ -128,11 +128,10 @@ def check_scaler_arguments(
     hysteresis: Any,
     min_scale: Any,
     max_scale: Any,
-    scaling: bool = True,
 ) -> dict[str, Any]:
     """A loss scaler's arguments checked (``ValueError`` naming the value and what is accepted) and normalized
     (floats and ints): scales and bounds a float32 tensor holds, ``growth_interval`` and ``hysteresis`` an int32 one,
-    ``min_scale <= max_scale``, and, when the loss is scaled (``scaling``), ``init_scale`` between them.
+    ``min_scale <= max_scale``, and ``init_scale`` between them.
     ``DynamicLossScaler`` and :class:`LossScaleSettings` both check with this."""
     init_scale, min_scale, max_scale = (
         check_scale(name, value)
@@ -146,7 +145,7 @@ def check_scaler_arguments(
     )  # fmt: skip
     if min_scale > max_scale:
         raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}; use min_scale <= max_scale.")
-    if scaling and not min_scale <= init_scale <= max_scale:
+    if not min_scale <= init_scale <= max_scale:
         raise ValueError(
             f"init_scale={init_scale!r} lies outside [min_scale={min_scale!r}, max_scale={max_scale!r}];"
             " choose an init_scale between them."
@@ -236,7 +235,7 @@ class LossScaleSettings(_Settings):
                 )
         arguments = self.scaler_arguments()
         del arguments["consecutive_hysteresis"]  # (checked above)
-        check_scaler_arguments(**arguments, scaling=True)
+        check_scaler_arguments(**arguments)
 
     @property
     def dynamic(self) -> bool:

@@ -1,5 +1,6 @@
-"""Skip counting, in one place: per optimizer (:class:`OptimizerStats`, read by callbacks through :class:`StepStats`)
-and per scale update (:class:`SkipCounters`, a loss scaler's, kept on the device)."""
+"""Skip counting, in one place: per optimizer (:class:`OptimizerStats`, read by callbacks through :class:`StepStats`).
+A loss scaler used on its own counts per scale update (:class:`SkipCounters`, kept on the device); inside the plugin
+its counts are views of the plugin's (:class:`StatsCounts`)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,45 @@ class SkipCounters:
         return {"_tensor": None, "_init": self.values(), "_host_tail": None, "_deferred": []}
 
 
+class StatsCounts:
+    """What a loss scaler inside :class:`~lightning_mp.MPPlugin` counts: nothing of its own. Its counts (``steps``,
+    ``skipped_steps``, ``consecutive_skips``, ``last_skipped``) are read from the plugin's :class:`StepStats` (summed
+    over optimizers; the longest streak), so that skips are counted in one place; the counting calls do nothing."""
+
+    NAMES = SkipCounters.NAMES
+
+    def __init__(self, stats: "StepStats") -> None:
+        self._stats = stats
+
+    def start(self, device: torch.device) -> None:
+        pass
+
+    def count_known(self, skipped: bool) -> None:
+        pass
+
+    def defer(self, flag: Tensor) -> None:
+        pass
+
+    def fold(self) -> None:
+        pass
+
+    def value(self, i: int) -> int:
+        stats = self._stats
+        getters: tuple[Callable[[], Any], ...] = (
+            lambda: stats.steps, lambda: stats.skipped_steps, lambda: stats.consecutive_skips, lambda: stats.skipped
+        )
+        return int(getters[i]())
+
+    def values(self) -> list[int]:
+        return [self.value(i) for i in range(4)]
+
+    def tensor(self) -> Optional[Tensor]:
+        return None  # (the plugin's counts live on the host)
+
+    def load(self, counts: list[int]) -> None:
+        pass  # the plugin's stats load their own per-optimizer entries
+
+
 #: device verdicts on their way to the host before recording another waits for the oldest (long landed by then)
 _MAX_PENDING = 8
 
@@ -237,7 +277,8 @@ class StepStats:
     """
 
     def __init__(self, scaler: Optional[Any] = None, spike: Optional[Any] = None) -> None:
-        self._scaler = scaler
+        self._scaler: Optional[Any] = None
+        self.set_scaler(scaler)
         self._spike = spike  # the loss-spike guard (``None``: off)
         self._grad_norm: Optional[Tensor] = None
         self.per_optimizer: list[OptimizerStats] = []
@@ -247,7 +288,11 @@ class StepStats:
         self.per_optimizer = list(stats)
 
     def set_scaler(self, scaler: Optional[Any]) -> None:
+        """The loss scaler (or the step guard) of the run; a loss scaler's counts become views of these."""
         self._scaler = scaler
+        counts_from = getattr(scaler, "counts_from", None)
+        if callable(counts_from):
+            counts_from(self)
 
     def set_namer(self, namer: Optional[Callable[[Tensor], Optional[str]]]) -> None:
         self._namer = namer

@@ -54,6 +54,7 @@ from lightning_mp.master import MasterWeights, StepRecords, wrapped_optimizers
 from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
 import lightning_mp.verdict as checks
+from lightning_mp.nonfinite import NonfiniteGuard, StepGuard
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
@@ -93,7 +94,8 @@ class OptimizerSteps:
     """Runs every optimizer step of a training run (see the module docstring for the order).
 
     Args:
-        scaler: the loss scaler / inf-NaN check (``None``: steps are not checked, ``skip_nonfinite=False``).
+        scaler: the loss scaler (fp16 modes) or the inf/NaN step guard of the other modes (``NonfiniteGuard``);
+            ``None``: steps are not checked (``skip_nonfinite=False``).
         masters: master weights of half-precision parameters (``None``: the optimizer steps the parameters).
         stats: where the outcome of each step is published (read by callbacks).
         max_consecutive_skips: stop after this many skipped steps in a row of one optimizer (``None``: never).
@@ -102,7 +104,7 @@ class OptimizerSteps:
 
     def __init__(
         self,
-        scaler: Optional[DynamicLossScaler],
+        scaler: Optional[StepGuard],
         masters: Optional[MasterWeights],
         stats: StepStats,
         *,
@@ -131,11 +133,11 @@ class OptimizerSteps:
         self._overlap = OverlappedCheck()
 
     @property
-    def scaler(self) -> Optional[DynamicLossScaler]:
+    def scaler(self) -> Optional[StepGuard]:
         return self._scaler
 
     @scaler.setter
-    def scaler(self, scaler: Optional[DynamicLossScaler]) -> None:
+    def scaler(self, scaler: Optional[StepGuard]) -> None:
         self._scaler = scaler  # (a mode switch between steps: the plans are decided again)
         for state in self._optimizers.values():
             state.plan = None
@@ -401,7 +403,7 @@ class OptimizerSteps:
         else:
             # the maxima taken during backward, where every gradient has one (large models, check-only modes)
             early = self._overlap.verdict(optimizer) if check_only and self._overlap.installed else None
-            state.dirty = early is None or not cast(DynamicLossScaler, scaler).verdicts.take_total_(optimizer, early)
+            state.dirty = early is None or not cast(StepGuard, scaler).verdicts.take_total_(optimizer, early)
         if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
         state.stage = Stage.PREPARED
@@ -449,7 +451,8 @@ class OptimizerSteps:
         scaler = self.scaler
         assert scaler is not None  # every caller has one
         if scaler.verdicts.stage(optimizer) is OptState.READY:
-            scaler.unscale_(optimizer)  # check-only mode: the read-only check
+            # (the guard's read-only check; a loss scaler unscaled in prepare, so never READY here)
+            scaler.check_(optimizer) if isinstance(scaler, NonfiniteGuard) else scaler.unscale_(optimizer)
         else:
             flag = torch.zeros((), device=scaler.scale_device)
             for found in checks.check_grads_(optimizer, flag).values():
@@ -735,7 +738,7 @@ def _release_grads(optimizer: Optimizer) -> None:
             param.grad = None
 
 
-def _as_flag(verdict: Optional[Tensor], scaler: DynamicLossScaler) -> Tensor:
+def _as_flag(verdict: Optional[Tensor], scaler: StepGuard) -> Tensor:
     if verdict is None:
         return torch.zeros((), device=scaler.scale_device)
     return verdict.reshape(()).float()

@@ -242,7 +242,8 @@ def real_gradients(optimizer: torch.optim.Optimizer) -> "torch.optim.Optimizer |
 
 # ---------------------------------------------------------------------- where a step keeps its verdict
 class Verdicts:
-    """The inf/NaN verdicts of the optimizer steps a :class:`~lightning_mp.scaling.DynamicLossScaler` takes.
+    """The inf/NaN verdicts of the optimizer steps a loss scaler (:class:`~lightning_mp.scaling.DynamicLossScaler`) or
+    the step guard of the modes without one (:class:`~lightning_mp.nonfinite.NonfiniteGuard`) takes.
 
     A verdict is a 0/1 float flag per device, kept in the scaler's per-optimizer state (torch's
     ``found_inf_per_device``) from the moment a source sets it until the scale update: ``step`` skips on it, fused
@@ -252,7 +253,7 @@ class Verdicts:
 
     __slots__ = ("scaler",)
 
-    def __init__(self, scaler: Any) -> None:  # (a DynamicLossScaler; its module imports this one)
+    def __init__(self, scaler: Any) -> None:  # (a DynamicLossScaler or a NonfiniteGuard; both modules import this one)
         self.scaler = scaler
 
     def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
@@ -273,7 +274,7 @@ class Verdicts:
         return found[0] if len(found) == 1 else torch.stack([f.to(found[0].device) for f in found]).sum()
 
     def _takeable(self, optimizer: torch.optim.Optimizer) -> Optional[dict]:
-        """The optimizer's state where a check-only scaler may take a verdict from a source (none set yet)."""
+        """The optimizer's state where the guard (no loss scale) may take a verdict from a source (none set yet)."""
         scaler = self.scaler
         if not scaler.is_enabled() or scaler.scaling:
             return None
@@ -281,19 +282,18 @@ class Verdicts:
         return state if state["stage"] is OptState.READY else None
 
     def take_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> bool:
-        """Check-only scalers: this step's verdict is ``found`` (a 0/1 float flag from a check made elsewhere over every
-        gradient the optimizer will apply: the master weights' gather). Returns whether it was taken."""
+        """The guard (no loss scale): this step's verdict is ``found`` (a 0/1 float flag from a check made elsewhere
+        over every gradient the optimizer will apply: the master weights' gather). Returns whether it was taken."""
         state = self._takeable(optimizer)
         if state is None:
             return False
-        self.scaler._check_scale_growth_tracker("the verdict")
         state["found_inf_per_device"] = {found.device: found}
         state["stage"] = OptState.UNSCALED
         return True
 
     def take_total_(self, optimizer: torch.optim.Optimizer, total: torch.Tensor) -> bool:
-        """Check-only scalers: the verdict from a value computed over every gradient (a total norm), inf/NaN when any
-        gradient is (or when finite gradients are so large, beyond ~1e19, that their norm overflows: such a step is
+        """The guard (no loss scale): the verdict from a value computed over every gradient (a total norm), inf/NaN when
+        any gradient is (or when finite gradients are so large, beyond ~1e19, that their norm overflows: such a step is
         skipped too). Spares the separate check pass. Returns whether the verdict was taken."""
         if self._takeable(optimizer) is None:
             return False  # (checked first: no flag kernel for a verdict that would not be taken)

@@ -63,7 +63,32 @@ def test_bf16_state_is_saved_too(tmp_path):
     path = tmp_path / "b.ckpt"
     trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=True)["MPPlugin"]
-    assert state["mode"] == "bf16" and state["scaler"]["skipped_steps"] == 1 and state["scaler"]["scaling"] is False
+    # the counts are the plugin's, per optimizer; without a loss scale there is no scaler state to keep
+    assert state["mode"] == "bf16" and state["optimizers"] == [{"steps": 3, "skipped_steps": 1, "consecutive_skips": 0}]
+    assert "scaler" not in state
+
+
+def test_an_older_bf16_checkpoint_with_a_check_only_scaler_state_resumes(tmp_path):
+    """Checkpoints of earlier releases kept a check-only scaler state in bf16 (scale 1, ``scaling: False``, the
+    counts): they resume, the counts come back, and an fp16 run that loads one starts from its own init_scale."""
+    trainer, _ = fit(MPPlugin("bf16"), 3, poison_grad=(1,), poison_value=float("nan"))
+    path = tmp_path / "old.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=True)
+    old_scaler = {"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000,
+                  "_growth_tracker": 0, "hysteresis": 1, "consecutive_hysteresis": True, "_hysteresis_tracker": 1,
+                  "min_scale": 1.0, "max_scale": 2.0**24, "dynamic": True, "scaling": False,
+                  "steps": 3, "skipped_steps": 1, "consecutive_skips": 0, "last_skipped": 0}
+    checkpoint["MPPlugin"] = {"mode": "bf16", "scaler": old_scaler}  # (the oldest entries had no per-optimizer part)
+    torch.save(checkpoint, path)
+    plugin = MPPlugin("bf16")
+    fit(plugin, 5, ckpt_path=path)
+    assert plugin.stats.steps == 5 and plugin.stats.skipped_steps == 1
+
+    fp16 = MPPlugin("fp16", init_scale=2.0**10)
+    with pytest.warns(UserWarning, match="loss scale starts from init_scale"):
+        fit(fp16, 4, ckpt_path=path)
+    assert fp16.stats.loss_scale == 2.0**10 and fp16.stats.skipped_steps == 1
 
 
 def test_lightning_16_mixed_checkpoint_resumes_with_its_scale(tmp_path):

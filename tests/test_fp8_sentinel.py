@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mp.fp8.sentinel import SaturationSentinel, _ORIGINAL_REDUCE, install_amax_watch, uninstall_amax_watch
-from lightning_mp.scaling import DynamicLossScaler
+from lightning_mp.nonfinite import NonfiniteGuard
 
 
 def _model() -> nn.Sequential:
@@ -156,31 +156,28 @@ def test_a_finding_added_to_the_verdict_skips_the_step(fused):
         if fused
         else torch.optim.AdamW(model.parameters(), lr=0.1)
     )
-    scaler = DynamicLossScaler("cpu", scaling=False)
-    scaler.ensure_initialized(torch.device("cpu"))
+    guard = NonfiniteGuard("cpu")
     before = [p.detach().clone() for p in model.parameters()]
     for flag, moves in ((1.0, False), (0.0, True)):
         opt.zero_grad()
         model(torch.randn(4, 8)).sum().backward()
-        scaler.last_skipped_host = None
-        scaler.unscale_(opt)
-        scaler.verdicts.add_(opt, torch.tensor(flag))
-        scaler.step(opt)
-        scaler.update()
+        guard.last_skipped_host = None
+        guard.check_(opt)
+        guard.verdicts.add_(opt, torch.tensor(flag))
+        guard.step(opt)
+        guard.update()
         same = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
         assert same is not moves
-        assert scaler.last_skipped is (not moves)
-    assert scaler.skipped_steps == 1 and scaler.steps == 2
+        assert guard.last_skipped_host is (not moves)
     assert not opt.state or all(int(s["step"]) == 1 for s in opt.state.values())  # the skipped step left no trace
 
 
 def test_a_finding_before_the_check_is_refused():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = DynamicLossScaler("cpu", scaling=False)
-    scaler.ensure_initialized(torch.device("cpu"))
+    guard = NonfiniteGuard("cpu")
     with pytest.raises(RuntimeError, match="must follow unscale_"):
-        scaler.verdicts.add_(opt, torch.tensor(1.0))
+        guard.verdicts.add_(opt, torch.tensor(1.0))
 
 
 def test_amax_mode_ignores_reductions_while_the_model_evaluates(manager):

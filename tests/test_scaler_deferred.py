@@ -1,4 +1,4 @@
-"""Check-only outcomes known only on the device are counted in batches (a few kernels for many steps), and the
+"""A loss scaler's outcomes known only on the device are counted in batches (a few kernels for many steps), and the
 counters read exactly as if each step had been counted at once, also interleaved with host-known outcomes, across
 a checkpoint and past the batch size."""
 
@@ -29,7 +29,7 @@ def _counters(scaler: DynamicLossScaler) -> list[int]:
 @pytest.mark.parametrize("seed", range(4))
 def test_deferred_counts_equal_counting_each_step(seed):
     rng = random.Random(seed)
-    scaler = DynamicLossScaler("cpu", scaling=False)
+    scaler = DynamicLossScaler("cpu", growth_interval=10**6)
     scaler.ensure_initialized(torch.device("cpu"))
     outcomes: list[bool] = []
     for step in range(3 * _DEFER_LIMIT + 7):
@@ -42,14 +42,14 @@ def test_deferred_counts_equal_counting_each_step(seed):
         if rng.random() < 0.05:
             assert _counters(scaler) == _reference(outcomes)  # reading folds what is pending
     assert _counters(scaler) == _reference(outcomes)
-    restored = DynamicLossScaler("cpu", scaling=False)
+    restored = DynamicLossScaler("cpu", growth_interval=10**6)
     restored.ensure_initialized(torch.device("cpu"))
     restored.load_state_dict(scaler.state_dict())
     assert _counters(restored) == _reference(outcomes)
 
 
 def test_a_device_outcome_costs_no_counter_kernels_until_the_fold(monkeypatch):
-    scaler = DynamicLossScaler("cpu", scaling=False)
+    scaler = DynamicLossScaler("cpu", growth_interval=10**6)
     scaler.ensure_initialized(torch.device("cpu"))
     folds = []
     skips = scaler.skips

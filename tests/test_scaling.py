@@ -106,16 +106,6 @@ def test_static_scale_never_moves_but_still_skips():
     assert torch.allclose(p.detach(), torch.full((4,), 1 - 2 * 0.2))
 
 
-def test_check_only_mode_skips_without_scaling():
-    scaler = DynamicLossScaler("cpu", scaling=False)
-    loss = torch.tensor(3.0, requires_grad=True)
-    assert scaler.scale(loss) is loss  # no multiply at all
-    scales, p = run_steps(scaler, "o.")
-    assert scales == [1.0, 1.0]
-    assert scaler.skipped_steps == 1
-    assert torch.allclose(p.detach(), torch.full((4,), 0.8))
-
-
 def test_skipped_step_leaves_adam_state_untouched():
     p = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.Adam([p], lr=0.1)
@@ -327,31 +317,10 @@ def test_fused_optimizer_gets_grad_scale_and_found_inf_as_from_torch(opt_name, u
         assert torch.equal(a, b) and torch.equal(a.grad, b.grad)
 
 
-@pytest.mark.parametrize("unscale_first", [False, True])
-@pytest.mark.parametrize("device_verdict", [True, False])
-def test_fused_optimizer_in_check_only_mode(unscale_first, device_verdict, monkeypatch):
-    """``scaling=False``: no scale to divide by. Where a device verdict spares a sync (CUDA; the CPU stands in here)
-    the fused kernel gets ``grad_scale=None`` (no multiply by 1 in its kernel, no kernel to make the 1) and skips on
-    found_inf on the device; elsewhere the host reads the verdict and does not call the optimizer on a skip."""
-    import lightning_mp.verdict as verdict_module
-
-    monkeypatch.setattr(verdict_module, "DEVICE_VERDICT_TYPES", ("cuda", "cpu") if device_verdict else ("cuda",))
-    scaler = DynamicLossScaler("cpu", scaling=False)
-    fused_adam = lambda ps: torch.optim.Adam(ps, lr=0.01, fused=True)  # noqa: E731
-    _, _, seen = _fused_run(scaler, fused_adam, ".o", unscale_first=unscale_first)
-    if device_verdict:
-        assert [None if s is None else s.item() for s, _ in seen] == [None, None]
-        assert [f.item() for _, f in seen] == [0.0, 1.0]
-    else:
-        assert [(s, f) for s, f in seen] == [(None, None)]  # stepped once, without the fused protocol
-    assert scaler.skipped_steps == 1 and scaler.last_skipped
-
-
-@pytest.mark.parametrize("scaling", [True, False])
-def test_fused_adam_skips_on_the_device_and_steps_like_unfused_adam(scaling):
+def test_fused_adam_skips_on_the_device_and_steps_like_unfused_adam():
     """An inf step leaves parameters and state (step count included) as they were; a clean step is the unfused
     optimizer's step on the unscaled gradients."""
-    scaler = DynamicLossScaler("cpu", init_scale=2.0**12, scaling=scaling)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**12)
     torch.manual_seed(0)
     fused_model = torch.nn.Linear(4, 2)
     plain_model = torch.nn.Linear(4, 2)
@@ -394,7 +363,6 @@ def test_fused_adam_skips_on_the_device_and_steps_like_unfused_adam(scaling):
         ({"max_scale": 1e39}, r"max_scale=1e\+39 .*float32.*\[1\.1754943508222875e-38, 3\.4028234663852886e\+38\]"),
         ({"init_scale": 1e39}, r"init_scale=1e\+39 .*float32.*\[1\.1754943508222875e-38, 3\.4028234663852886e\+38\]"),
         ({"init_scale": 1e39, "max_scale": 1e39}, r"init_scale=1e\+39 .*float32"),
-        ({"init_scale": 1e39, "scaling": False}, r"init_scale=1e\+39 .*float32"),
         ({"min_scale": 1e-50}, r"min_scale=1e-50 .*float32.*\[1\.1754943508222875e-38, 3\.4028234663852886e\+38\]"),
         ({"min_scale": 1e39}, r"min_scale=1e\+39 .*float32"),
     ],

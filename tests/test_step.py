@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import nn
 
+from lightning_mp.nonfinite import NonfiniteGuard
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import StepStats
 from lightning_mp.step import _CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL, OptimizerSteps
@@ -21,7 +22,7 @@ class Net(LightningModule):
 
 
 def _steps(scaling: bool = False, max_consecutive_skips=None) -> tuple[OptimizerSteps, StepStats]:
-    scaler = DynamicLossScaler("cpu", scaling=scaling, init_scale=2.0**8)
+    scaler = DynamicLossScaler("cpu", init_scale=2.0**8) if scaling else NonfiniteGuard("cpu")
     scaler.ensure_initialized(torch.device("cpu"))
     stats = StepStats(scaler)
     return OptimizerSteps(scaler, None, stats, max_consecutive_skips=max_consecutive_skips), stats
@@ -82,7 +83,7 @@ def test_the_plan_is_decided_once_and_again_after_a_mode_switch():
     steps.connect(model, [opt])
     _loop(steps, model, opt, _batches(2))
     assert steps._optimizers[id(opt)].plan is _CHECK_ONLY
-    scaling = DynamicLossScaler("cpu", scaling=True, init_scale=2.0**8)
+    scaling = DynamicLossScaler("cpu", init_scale=2.0**8)
     scaling.ensure_initialized(torch.device("cpu"))
     steps.scaler = scaling  # fp32 -> fp16 between steps (PrecisionSchedule)
     assert steps._optimizers[id(opt)].plan is None

@@ -369,9 +369,9 @@ def test_fp16_resume_matches_uninterrupted(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_check_only_scaler_finds_every_nonfinite_value_on_cuda(dtype, bad):
+def test_the_step_guard_finds_every_nonfinite_value_on_cuda(dtype, bad):
     """bf16/fp32 steps rely on the read-only check (torch._foreach_norm with ord=inf) catching NaN and inf."""
-    from lightning_mp import DynamicLossScaler
+    from lightning_mp import NonfiniteGuard
 
     params = [torch.nn.Parameter(torch.zeros(n, device="cuda", dtype=dtype)) for n in (7, 4096 * 33, 1_000_003)]
     opt = torch.optim.SGD(params, lr=0.1)
@@ -380,10 +380,10 @@ def test_check_only_scaler_finds_every_nonfinite_value_on_cuda(dtype, bad):
             p.grad = torch.randn_like(p) * 1e3
         if target is not None:
             params[target].grad.view(-1)[index] = bad
-        scaler = DynamicLossScaler("cuda", scaling=False)
-        scaler.ensure_initialized(torch.device("cuda"))
-        scaler.unscale_(opt)
-        found = sum(v.item() for v in scaler._found_inf_per_device(opt).values())
+        guard = NonfiniteGuard("cuda")
+        guard.ensure_initialized(torch.device("cuda"))
+        guard.check_(opt)
+        found = float(guard.verdicts.of(opt).item())
         assert found == (0.0 if target is None else 1.0), (target, index)
 
 

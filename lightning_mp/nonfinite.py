@@ -1,0 +1,172 @@
+"""The inf/NaN step guard of the modes without a loss scale (fp32, tf32, bf16, bf16-true, fp8).
+
+:class:`NonfiniteGuard` finds inf/NaN among the gradients an optimizer is about to apply and skips that step. It has
+no loss scale, so nothing to scale, unscale or move: it is not a loss scaler in a special mode but the part of one
+that modes without a scale need. It speaks the part of ``torch.amp.GradScaler``'s protocol the step uses (the
+check, ``step``, the update at the end of a batch) and keeps each step's verdict in
+:class:`~lightning_mp.verdict.Verdicts`, where the step adds its other sources (a gradient norm, the master weights'
+gather, FP8 saturation, the spike guard). It counts nothing: skips are counted once, per optimizer, in
+:class:`~lightning_mp.stats.StepStats`.
+
+Under DDP the verdict is all-reduced (MAX) before the step, so every rank skips together; the sharded guard (FSDP)
+reduces it inside the check, since each rank checks only its own shards.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Optional, Union
+
+import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+import lightning_mp.verdict as verdict
+from lightning_mp.scaling import DynamicLossScaler, checked_torch_state
+from lightning_mp.verdict import Verdicts
+
+
+class NonfiniteGuard:
+    """Skip the optimizer steps whose gradients hold an inf or NaN; no loss scale.
+
+    Example (what :class:`~lightning_mp.MPPlugin` does in bf16; in a plain loop)::
+
+        guard = NonfiniteGuard("cuda")
+        loss.backward()
+        guard.check_(optimizer)              # one fused kernel over the gradients (no host sync)
+        guard.step(optimizer)                # skipped if a gradient was inf/NaN
+        guard.update_from([guard.last_skipped_host])   # the batch is over
+
+    A fused optimizer (``_step_supports_amp_scaling``) on CUDA gets the verdict as ``found_inf`` and skips on the
+    device (no host sync); otherwise the host reads the flag, as ``torch.amp.GradScaler`` does.
+    """
+
+    #: the loss is not scaled (a loss scaler's is ``True``): the step and callbacks ask this
+    scaling = False
+    #: whether the check already gives every rank the same verdict (the sharded guard's does)
+    verdict_agrees_across_ranks = False
+
+    def __init__(self, device: str = "cuda", *, sharded: bool = False) -> None:
+        self._device = device
+        #: FSDP: each rank checks its own shards and the verdict is reduced over the process group in the check
+        self.sharded = sharded
+        self.verdict_agrees_across_ranks = sharded
+        self._scale_device: Optional[torch.device] = None
+        #: per optimizer, torch's protocol state (``stage``, ``found_inf_per_device``), where the verdicts live
+        self._per_optimizer_states: defaultdict = defaultdict(_refresh_per_optimizer_state)
+        self.verdicts = Verdicts(self)
+        #: with several processes, agree on the verdict (all-reduce MAX) so every rank takes the same step
+        self.sync_across_ranks = False
+        #: whether the last step was skipped, when known on the host without a sync (``None`` otherwise)
+        self.last_skipped_host: Optional[bool] = None
+
+    def __repr__(self) -> str:
+        return f"NonfiniteGuard({self._device!r}{', sharded=True' if self.sharded else ''})"
+
+    # ------------------------------------------------------------------ where the verdicts live
+    def is_enabled(self) -> bool:
+        return True
+
+    def ensure_initialized(self, device: torch.device) -> None:
+        """Keep the verdicts on ``device`` (the Trainer's)."""
+        if self._scale_device is None:
+            self._scale_device = torch.device(device)
+
+    initialized = property(lambda self: self._scale_device is not None)
+    device_type = property(lambda self: self._device)
+    scale_device = property(
+        lambda self: self._scale_device if self._scale_device is not None else torch.device(self._device),
+        doc="Where the verdicts live.",
+    )
+
+    def get_scale(self) -> float:
+        return 1.0
+
+    def scale(self, outputs: Any) -> Any:
+        """The loss as it is (nothing is scaled); the first one tells where the verdicts live."""
+        tensor = outputs if isinstance(outputs, torch.Tensor) else next(iter(outputs), None)
+        if isinstance(tensor, torch.Tensor):
+            self.ensure_initialized(tensor.device)
+        return outputs
+
+    # ------------------------------------------------------------------ the check and the step
+    def check_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Find inf/NaN among ``optimizer``'s gradients (read-only): this step's verdict. Sharded: over every rank."""
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is not OptState.READY:
+            stepped = state["stage"] is OptState.STEPPED
+            raise RuntimeError("The inf/NaN check ran after step()." if stepped else
+                               "The inf/NaN check already ran on this optimizer since the last update.")
+        found = verdict.check_grads_(optimizer, torch.zeros((), dtype=torch.float32, device=self.scale_device))
+        if self.sharded:
+            found = self._reduce(found)
+        state["found_inf_per_device"] = found
+        state["stage"] = OptState.UNSCALED
+
+    unscale_ = check_  # (torch's name for the protocol's check: nothing to divide here)
+
+    def _reduce(self, found: dict[torch.device, torch.Tensor]) -> dict[torch.device, torch.Tensor]:
+        """One flag over every rank's shards. Each rank makes exactly one all-reduce, also a rank that holds no shard
+        with a gradient, and flags of CPU-offloaded shards travel through the device (NCCL reduces device tensors)."""
+        device = self.scale_device
+        flags = [f.reshape(()).to(device) for f in found.values()]
+        if not flags:
+            flag = torch.zeros((), device=device)
+        else:
+            flag = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # enqueued on the device
+        return {device: flag}
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Step ``optimizer`` unless this step's verdict (checked now if no source set it) says a gradient is inf/NaN.
+
+        A fused optimizer on CUDA gets the verdict as ``found_inf`` and skips on the device (no host sync;
+        :attr:`last_skipped_host` stays ``None``); otherwise the host reads it (torch's scaler pays this sync too).
+        """
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported by the inf/NaN step guard (nor by torch's GradScaler).")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update.")
+        if state["stage"] is OptState.READY:
+            self.check_(optimizer)
+        found = state["found_inf_per_device"]
+        if not found:  # no parameter of this optimizer has a gradient: nothing to check, nothing would change
+            found = state["found_inf_per_device"] = {self.scale_device: torch.zeros((), device=self.scale_device)}
+        if self.sync_across_ranks and not self.verdict_agrees_across_ranks:
+            # a gradient poisoned after DDP's all-reduce exists on one rank only: every rank must skip with it
+            for flag in found.values():
+                torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        state["stage"] = OptState.STEPPED
+        if verdict.takes_device_verdict(optimizer, scaling=False, device=self.scale_device):
+            flags = [f.reshape(()).float() for f in found.values()]
+            optimizer.found_inf = (  # type: ignore[attr-defined]  # torch's fused protocol: skips on exactly 1
+                flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+            )
+            try:
+                return optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.found_inf  # type: ignore[attr-defined]
+        skipped = any(bool(flag.item()) for flag in found.values())
+        self.last_skipped_host = skipped if self.last_skipped_host is None else (self.last_skipped_host or skipped)
+        return None if skipped else optimizer.step(*args, **kwargs)
+
+    def update_from(self, verdicts: list[torch.Tensor | bool]) -> None:
+        """The training batch is over: forget its verdicts (nothing moves; the step counts the outcomes)."""
+        self._per_optimizer_states.clear()
+
+    def update(self) -> None:
+        self._per_optimizer_states.clear()
+
+    # ------------------------------------------------------------------ checkpoints: nothing of its own
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to load; a loss scaler's state (an fp16 checkpoint, or an older bf16 one) is checked, not used."""
+        if state_dict:
+            checked_torch_state(state_dict)
+
+
+#: what decides a step's skip: a loss scaler (fp16 modes) or the guard of the modes without a scale
+StepGuard = Union[DynamicLossScaler, NonfiniteGuard]
