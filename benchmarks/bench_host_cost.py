@@ -14,7 +14,9 @@ of ``--warmup`` + ``--steps`` steps with a fresh Trainer (the model keeps traini
 after the warm-up are timed, from ``on_train_batch_start`` to the next one (the cycle: the step, the hooks and
 the batch fetch). On a GPU a round gives one figure, its mean step (``torch.cuda.synchronize()`` at the first timed
 step and at the end only), and the statistics are over rounds. ``--cpu-time`` times the process's CPU time instead
-(with one torch thread, the host work alone: on a shared machine other processes do not show in it). The figure of
+(with one torch thread, the host work alone: on a shared machine other processes do not show in it);
+``--thread-time`` the main thread's CPU time of every step, also on a GPU (a figure a step, no sync per step: the
+time the thread was descheduled on a shared host does not count, a wait on the GPU does). The figure of
 a mode is the median over all its rounds' timed steps, with the interquartile range, from ``torch.utils.benchmark``'s
 ``Measurement``; ``ratio`` is Lightning's median over ours (above 1: ours is faster).
 
@@ -53,7 +55,7 @@ class Timer(Callback):
     timed step and at the end only: a sync per step would add the GPU's tail to every step of a launch-bound model)."""
 
     def __init__(self, warmup: int, cuda: bool) -> None:
-        self.warmup, self.cuda, self.marks, self.cpu_marks = warmup, cuda, [], []
+        self.warmup, self.cuda, self.marks, self.cpu_marks, self.thread_marks = warmup, cuda, [], [], []
         self.steps = 0
 
     def _mark(self) -> None:
@@ -61,6 +63,8 @@ class Timer(Callback):
         self.cpu_marks.append(time.process_time())
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx >= self.warmup:
+            self.thread_marks.append(time.thread_time())
         if batch_idx == self.warmup and self.cuda:
             torch.cuda.synchronize()
             self._mark()
@@ -68,11 +72,14 @@ class Timer(Callback):
             self._mark()
 
     def on_train_end(self, trainer, pl_module):
+        self.thread_marks.append(time.thread_time())
         if self.cuda:
             torch.cuda.synchronize()
         self._mark()
 
-    def times(self, cpu: bool = False) -> list[float]:
+    def times(self, cpu: bool = False, thread: bool = False) -> list[float]:
+        if thread:  # every step: the main thread's CPU time (no sync per step on a GPU)
+            return [b - a for a, b in zip(self.thread_marks, self.thread_marks[1:])]
         marks = self.cpu_marks if cpu else self.marks
         if self.cuda:  # one figure per round: its mean step
             return [(marks[-1] - marks[0]) / self.steps] if len(marks) == 2 else []
@@ -136,7 +143,7 @@ def run_round(mode: str, model: nn.Module, batches: list, args, accelerator: str
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[timer], **kwargs)
     trainer.fit(Lit(model, batches, args.model, accelerator == "gpu"))
-    return timer.times(cpu=args.cpu_time)
+    return timer.times(cpu=args.cpu_time, thread=args.thread_time)
 
 
 def measurement(name: str, times: list[float]) -> Measurement:
@@ -156,6 +163,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--cpu-time", action="store_true",
                    help="time the process's CPU time instead of wall time (with one thread: the host work alone, "
                         "unaffected by other processes on a shared machine)")
+    p.add_argument("--thread-time", action="store_true",
+                   help="time each step by the main thread's CPU time (a figure a step, also on a GPU: where the "
+                        "host is shared, time the thread spent descheduled does not count; waits on the GPU do, as "
+                        "spinning)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--json", default=None, help="also write the raw figures to this JSON file")
     args = p.parse_args(argv)
@@ -184,7 +195,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             times[mode] += run_round(mode, models[mode], batches, args, accelerator)
     device_name = torch.cuda.get_device_name() if accelerator == "gpu" else platform.processor() or "CPU"
     print(f"\n{args.model} on {device_name}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, "
-          f"{'process CPU' if args.cpu_time else 'wall'} time, {args.threads} thread(s)")
+          f"{'main-thread CPU' if args.thread_time else 'process CPU' if args.cpu_time else 'wall'} time, "
+          f"{args.threads} thread(s)")
     print("| mode | Lightning ms (IQR) | MPPlugin ms (IQR) | ratio (Lightning / ours) |")
     print("|---|---|---|---|")
     rows = []

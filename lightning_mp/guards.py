@@ -177,7 +177,8 @@ def _keeps_fp32_output(module: nn.Module) -> bool:
 
 # --------------------------------------------------------------------------------------------- regions
 def _autocast_enabled() -> bool:
-    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+    # (every guarded call asks: the two devices spelled out, no generator)
+    return torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
 
 
 _is_compiling = getattr(torch.compiler, "is_compiling", None)
@@ -674,9 +675,16 @@ class FP32Guard:
     @staticmethod
     def _fused_fits(module: nn.Module, x: Tensor) -> bool:
         """Outside autocast (the caller knows): a 16-bit input and fp32 weights on its device."""
-        return x.dtype in _LOW and all(
-            t is None or (t.dtype == torch.float32 and t.device == x.device)
-            for t in (getattr(module, "weight", None), getattr(module, "bias", None))
+        if x.dtype not in _LOW:
+            return False
+        # (a plain nn.LayerNorm keeps both in _parameters: read there, not through Module.__getattr__, on every call;
+        # a parametrized one computes them)
+        params = module._parameters
+        weight = params["weight"] if "weight" in params else getattr(module, "weight", None)
+        bias = params["bias"] if "bias" in params else getattr(module, "bias", None)
+        device = x.device
+        return (weight is None or (weight.dtype == torch.float32 and weight.device == device)) and (
+            bias is None or (bias.dtype == torch.float32 and bias.device == device)
         )
 
     def remove(self) -> None:

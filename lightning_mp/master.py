@@ -72,6 +72,13 @@ _DTYPE_NAMES: dict[Optional[torch.dtype], str] = {
 #: the stochastic-rounding generator's seed: the same on every rank, so data-parallel replicas round alike
 STOCHASTIC_ROUNDING_SEED = 0x5EED
 
+#: up to this many half parameter elements in one optimizer's planned layout, its fp32 gradients live in one flat
+#: buffer kept from step to step (views of it, made once, are the stand-ins' gradients): no allocation a gradient
+#: a step, and the inf/NaN check reads one tensor. A host cost that counts on small, launch-bound models; above this
+#: size (256 MB of fp32 gradients) the buffer would raise the peak of forward and backward by 4 bytes a parameter, so
+#: the gradients are allocated in the step and freed after it, as before
+FLAT_GRADS_MAX_NUMEL = 1 << 26
+
 #: fp32 values of parameters cast to half by :func:`cast_module_`, with the stamp the cast left: param -> (fp32, stamp)
 _FP32_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -685,6 +692,9 @@ class _Layout:
     dst: list[Tensor]  # ``param.data`` aliases: written without a version bump, as before
     src: list[Tensor]  # the masters' ``.data``
     standins: dict[int, Tensor]  # id(master) -> half param
+    #: small layouts (:data:`FLAT_GRADS_MAX_NUMEL`): the fp32 gradients' flat buffer and its views, one a parameter
+    flat: Optional[Tensor] = None
+    views: Optional[list[Tensor]] = None
 
 
 class FP32MasterWeights(MasterWeights):
@@ -752,12 +762,16 @@ class FP32MasterWeights(MasterWeights):
         if len(devices) != 1 or any(type(p) not in (Tensor, nn.Parameter) or p.layout is not torch.strided
                                     for p in half):
             return None
+        total, device = sum(p.numel() for p in half), devices.pop()
+        flat = views = None
+        if total <= FLAT_GRADS_MAX_NUMEL and all(p.is_contiguous() for p in half):  # (a view is contiguous)
+            flat = torch.empty(total, dtype=torch.float32, device=device)
+            views = [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in half]), half)]
         return _Layout(
-            half=half, entries=entries, records=records, others=others,
-            total=sum(p.numel() for p in half), device=devices.pop(),
+            half=half, entries=entries, records=records, others=others, total=total, device=device,
             ptrs=[p.data_ptr() for p in half], dst=[p.data for p in half],
             src=[cast(Tensor, e.held).data for e in entries],
-            standins={id(r.standin): r.param for r in records},
+            standins={id(r.standin): r.param for r in records}, flat=flat, views=views,
         )
 
     def _gather_planned(self, optimizer: Optimizer, check: bool) -> Optional[StepRecords]:
@@ -779,8 +793,10 @@ class FP32MasterWeights(MasterWeights):
             for param in half:
                 self._entry(param)  # written by someone else since our last write: derived again where it was
         with torch.no_grad():
-            # (one allocation a gradient: views of one flat buffer cost more host time than the caching allocator)
-            g32 = [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
+            # small layouts: the flat buffer's views, made once; else one allocation a gradient, freed after the step
+            g32 = layout.views if layout.views is not None else [
+                torch.empty_like(grad, dtype=torch.float32) for grad in grads
+            ]
             torch._foreach_copy_(g32, grads)
         for r, view, grad in zip(layout.records, g32, grads):
             standin = r.standin
@@ -791,7 +807,7 @@ class FP32MasterWeights(MasterWeights):
         self._standins.update(layout.standins)
         out = StepRecords(optimizer, layout.records, layout=layout)
         if check:
-            checked = list(g32)
+            checked = [layout.flat] if layout.flat is not None else list(g32)
             numel = layout.total
             for param in layout.others:
                 grad = getattr(param, "grad", None)

@@ -83,8 +83,15 @@ def _fit(monkeypatch, planned, steps=8, **kwargs):
     ],
     ids=["plain", "skipped-steps", "written-weights", "add-param-group", "all"],
 )
-def test_planned_path_is_bit_identical_to_the_general_path(monkeypatch, case):
+@pytest.mark.parametrize("flat", [True, False], ids=["flat-grads", "grads-a-step"])
+def test_planned_path_is_bit_identical_to_the_general_path(monkeypatch, case, flat):
+    """``flat``: small layouts keep their fp32 gradients in one flat buffer from step to step (the default at this
+    size); otherwise they are allocated in the step. Both give the general path's numbers."""
+    if not flat:
+        monkeypatch.setattr(master_module, "FLAT_GRADS_MAX_NUMEL", 0)
     a, pa, sa, ma = _fit(monkeypatch, True, **case)
+    layout = _layout_of(pa.masters, a.trainer.optimizers[0])
+    assert layout is not None and (layout.flat is not None) is flat
     b, pb, sb, mb = _fit(monkeypatch, False, **case)
     assert any(a.seen_layouts) and not any(b.seen_layouts)  # the planned path ran, and only in the first fit
     for (na, ta), (nb, tb) in zip(a.state_dict().items(), b.state_dict().items()):
@@ -121,3 +128,34 @@ def test_a_new_optimizer_over_the_same_parameters_gets_its_own_layout():
             in_groups = [p for g in opt.param_groups for p in g["params"]]
             assert len(in_groups) == 4 and all(a is b for a, b in zip(in_groups, model.parameters()))
             assert all(v.dtype == torch.float32 for s in opt.state.values() for v in s.values() if v.dim())
+
+
+def test_flat_gradients_only_where_views_fit_the_parameters():
+    """A channels-last (non-contiguous) half parameter gets its gradient allocated in the step, with its strides; a
+    layout above the size limit too; below it, the fp32 gradients are views of one buffer, kept from step to step."""
+    from lightning_mp.master import FP32MasterWeights, cast_module_
+
+    def run(model):
+        cast_module_(model, torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        masters = FP32MasterWeights()
+        masters.attach(opt, model)
+        x = torch.randn(2, 3, 4, 4).bfloat16()
+        grads = []
+        for _ in range(2):
+            model(x).float().sum().backward()
+            records = masters.gather(opt, check=True)
+            grads.append([r.standin.grad for r in records.records])
+            with masters.stepping(records):
+                opt.step()
+            masters.write_back(records, skipped=False)
+            opt.zero_grad()
+        return _layout_of(masters, opt), grads
+
+    torch.manual_seed(0)
+    layout, grads = run(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(16, 2)))
+    assert layout.flat is not None and all(a is b for a, b in zip(*grads))  # the same views, step after step
+    assert all(g.untyped_storage().data_ptr() == layout.flat.untyped_storage().data_ptr() for g in grads[0])
+    conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+    layout, grads = run(nn.Sequential(conv, nn.Flatten(), nn.Linear(16, 2)))
+    assert layout.flat is None and grads[0][0].stride() == conv.weight.stride()
