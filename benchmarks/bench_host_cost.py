@@ -123,14 +123,17 @@ def make_batches(kind: str, n: int) -> list:
 
 
 def plugin(spec: str) -> MPPlugin:
-    """``"bf16-true"``, or a variant such as ``"bf16-true/master_weights=none/fp32_modules=none"`` (``none`` for
-    ``fp32_modules`` is the empty list; other values are passed as strings, ``true``/``false`` as booleans)."""
+    """``"bf16-true"``, or a variant such as ``"bf16-true/master_weights=none/fp32_modules=none"`` (``fp32_modules``:
+    ``none`` is the empty list, else entries joined by ``+``; other values are passed as strings, ``true``/``false``
+    as booleans)."""
     name, *options = spec.split("/")
     kw: dict[str, Any] = {}
     for option in options:
         key, value = option.split("=", 1)
-        kw[key] = ([] if key == "fp32_modules" and value == "none"
-                   else {"true": True, "false": False}.get(value, value))
+        if key == "fp32_modules":
+            kw[key] = [] if value == "none" else value.split("+")  # e.g. "defaults", "defaults+*.router"
+        else:
+            kw[key] = {"true": True, "false": False}.get(value, value)
     return MPPlugin(name, **kw)
 
 

@@ -21,7 +21,9 @@ mp-bf16-spike            ``MPPlugin("bf16", spike_sigma=6.0)``: what the loss-sp
                          the reference
 lightning-bf16-true      ``Trainer(precision="bf16-true")``: bf16 weights and AdamW state, no master copy
 mp-bf16-true             ``MPPlugin("bf16-true")``: bf16 weights, fp32 master weights (AdamW state fp32),
-                         LayerNorms guarded in fp32
+                         plain LayerNorms in bf16 (the defaults with masters)
+mp-bf16-true-guarded     ``MPPlugin("bf16-true", fp32_modules=["defaults"])``: the same with the LayerNorms guarded
+                         in fp32 (the defaults before; what the guards cost)
 mp-bf16-true-kahan       ``MPPlugin("bf16-true", master_weights="kahan")``: bf16 compensation instead of masters
 mp-bf16-true-stochastic  ``MPPlugin("bf16-true", master_weights="stochastic")``: stochastic rounding, no copy
 mp-bf16-true-none        ``MPPlugin("bf16-true", master_weights="none")``: plain bf16 weights and state (guards on)
@@ -104,6 +106,7 @@ TRUE_HALF_MODES = (
     "mp-bf16-true-stochastic",
     "mp-bf16-true-none",
     "mp-bf16-true-noguards",
+    "mp-bf16-true-guarded",
     "mp-bf16-true-teadam",
     "mp-bf16-true-noguards-teadam",
 )
@@ -380,6 +383,8 @@ def run_lightning(
             variant = mode.removeprefix("mp-bf16-true").removeprefix("-")
             if variant == "noguards":
                 plugin = MPPlugin("bf16-true", fp32_modules=[])
+            elif variant == "guarded":
+                plugin = MPPlugin("bf16-true", fp32_modules=["defaults"])
             else:
                 plugin = MPPlugin("bf16-true", master_weights=variant or None)  # unset: fp32, or the optimizer's own
         elif mode == "mp-bf16-keep-grads":

@@ -48,6 +48,7 @@ trick (saved-tensor hooks, which dynamo does not trace; the compiler chooses wha
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fnmatch
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -105,6 +106,11 @@ class FP32GuardSpec:
 
     patterns: tuple[str, ...] = DEFAULT_FP32_MODULES
     classes: tuple[type, ...] = ()
+    #: whether ``fp32_modules`` was given (``None``, the default, leaves it False: the plugin may then adapt the
+    #: defaults to the mode, see :meth:`with_native_layer_norm`)
+    given: bool = False
+    #: whether a plain ``nn.LayerNorm`` that a pattern matches is guarded (see :meth:`with_native_layer_norm`)
+    plain_layer_norm: bool = True
 
     @classmethod
     def from_arg(cls, value: Optional[Sequence[FP32ModuleSpec]]) -> FP32GuardSpec:
@@ -137,7 +143,7 @@ class FP32GuardSpec:
                     f"fp32_modules entry {entry!r} is invalid: use a class name (e.g. 'LayerNorm'), a module-name"
                     f" pattern (e.g. '*.router', 'lm_head'), '{DEFAULTS_TOKEN}', or an nn.Module subclass."
                 )
-        return cls(tuple(patterns), tuple(classes))
+        return cls(tuple(patterns), tuple(classes), given=True)
 
     @property
     def empty(self) -> bool:
@@ -145,13 +151,23 @@ class FP32GuardSpec:
 
     def without_autocast_fp32(self) -> FP32GuardSpec:
         """The spec less the default entries that CUDA autocast already computes in fp32 (for autocast modes)."""
-        return FP32GuardSpec(tuple(p for p in self.patterns if p not in AUTOCAST_FP32_ON_CUDA), self.classes)
+        patterns = tuple(p for p in self.patterns if p not in AUTOCAST_FP32_ON_CUDA)
+        return dataclasses.replace(self, patterns=patterns)
+
+    def with_native_layer_norm(self) -> FP32GuardSpec:
+        """The defaults as ``bf16-true`` with master weights uses them: plain ``nn.LayerNorm`` modules are not
+        guarded. torch's kernel computes their statistics and affine in fp32 on a bf16 input already; a guard would
+        only add fp32 weights (the master weights keep their fp32 values) at the cost of three kernels and autograd
+        nodes a LayerNorm where torch runs one. Other normalisations, LayerNorm classes of one's own (whose math may
+        run in bf16), softmax and losses stay guarded. A spec given explicitly (``fp32_modules=["defaults"]``
+        included) is used as given."""
+        return self if self.given else dataclasses.replace(self, plain_layer_norm=False)
 
     def matches(self, name: str, module: nn.Module) -> bool:
         """Whether the module called ``name`` (its fully qualified name in the model) is guarded."""
         if self.classes and isinstance(module, self.classes):
             return True
-        if not self.patterns:
+        if not self.patterns or (not self.plain_layer_norm and is_plain_layer_norm(module)):
             return False
         suffixes = _dotted_suffixes(name)
         class_names = [n for c in type(module).__mro__ if c not in (nn.Module, object) for n in _class_names(c)]
@@ -160,6 +176,16 @@ class FP32GuardSpec:
             for pattern in self.patterns
             for candidate in (*suffixes, *class_names)
         )
+
+
+def is_plain_layer_norm(module: nn.Module) -> bool:
+    """An ``nn.LayerNorm`` computing what torch's does: its class's forward is ``nn.LayerNorm.forward`` (a subclass
+    that changes the forward, or an instance with its own, is not)."""
+    return (
+        isinstance(module, nn.LayerNorm)
+        and type(module).forward is nn.LayerNorm.forward
+        and "forward" not in module.__dict__
+    )
 
 
 def _dotted_suffixes(name: str) -> list[str]:

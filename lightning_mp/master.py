@@ -353,8 +353,10 @@ class MasterWeights:
         return [e.acc for e in self._entries.values() if e.acc is not None]
 
     # ------------------------------------------------------------------ the step
-    def gather(self, optimizer: Optimizer, *, check: bool = False) -> StepRecords:
-        """fp32 stand-ins, with fp32 gradients, for ``optimizer``'s half parameters that have a gradient.
+    def gather(self, optimizer: Optimizer, *, check: bool = False, every: bool = False) -> StepRecords:
+        """fp32 stand-ins, with fp32 gradients, for ``optimizer``'s half parameters that have a gradient (``every``:
+        for all of them, those without a gradient with none yet: an optimizer that evaluates the closure itself, such
+        as LBFGS, makes the gradients inside its step).
 
         The half gradients stay where they are (hooks read them); the fp32 gradient is the half one plus any
         sum carried from earlier micro-batches. Masters are made for parameters that joined since the last step
@@ -382,11 +384,11 @@ class MasterWeights:
                         continue
                     entry = self._entry(param)
                     grad = param.grad
-                    if grad is None and entry.acc is None:
+                    if grad is None and entry.acc is None and not every:
                         continue
                     standin = self._standin(entry)
                     if grad is None:
-                        g32 = entry.acc
+                        g32 = entry.acc  # (None with ``every``: no gradient yet)
                     elif entry.acc is None:
                         if grad.is_sparse or grad.layout is not torch.strided:
                             g32 = grad.to(torch.float32)
@@ -729,9 +731,9 @@ class FP32MasterWeights(MasterWeights):
         self.__dict__.update(state)
         self._layouts = weakref.WeakKeyDictionary()
 
-    def gather(self, optimizer: Optimizer, *, check: bool = False) -> StepRecords:
+    def gather(self, optimizer: Optimizer, *, check: bool = False, every: bool = False) -> StepRecords:
         out = None if self._carrying else self._gather_planned(optimizer, check)
-        return out if out is not None else super().gather(optimizer, check=check)
+        return out if out is not None else super().gather(optimizer, check=check, every=every)
 
     def _layout(self, optimizer: Optimizer) -> Optional[_Layout]:
         # what a layout stands on: every group's params list (the records swap inside them), the parameters in it

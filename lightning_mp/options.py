@@ -81,7 +81,7 @@ def summary(plugin: Any) -> str:
     Example: ``bf16 mixed precision (autocast bf16, fp32 weights, inf/NaN steps skipped, stop after 100 in a row,
     FP32 guards: defaults) on cpu``.
     """
-    from lightning_mp.guards import DEFAULT_FP32_MODULES, FP32GuardSpec
+    from lightning_mp.guards import DEFAULT_FP32_MODULES
     from lightning_mp.modes import AUTO, running_mode
 
     mode = running_mode(plugin)
@@ -122,15 +122,16 @@ def summary(plugin: Any) -> str:
         parts.append("inf/NaN steps skipped")
         if plugin.max_consecutive_skips is not None:
             parts.append(f"stop after {plugin.max_consecutive_skips} in a row")
-    spec = plugin.fp32_guards
+    spec = plugin._fp32_guard_spec(plugin.device) if hasattr(plugin, "_fp32_guard_spec") else plugin.fp32_guards
+    native_layer_norm = "" if spec.plain_layer_norm else " (plain LayerNorms in bf16)"
     if spec.empty:
         parts.append("no FP32 guards")
-    elif spec == FP32GuardSpec():
-        parts.append("FP32 guards: defaults")
+    elif spec.patterns == DEFAULT_FP32_MODULES and not spec.classes:
+        parts.append(f"FP32 guards: defaults{native_layer_norm}")
     else:
         extra = [p for p in spec.patterns if p not in DEFAULT_FP32_MODULES] + [c.__name__ for c in spec.classes]
-        base = "defaults + " if set(DEFAULT_FP32_MODULES) <= set(spec.patterns) else ""
-        parts.append(f"FP32 guards: {base}{', '.join(extra)}")
+        listed = ["defaults"] if set(DEFAULT_FP32_MODULES) <= set(spec.patterns) else []
+        parts.append(f"FP32 guards: {' + '.join(listed + ([', '.join(extra)] if extra else []))}{native_layer_norm}")
     if plugin.reduce_dtype is not None:
         parts.append(f"gradients reduced in {plugin.reduce_dtype}")
     if plugin.fsdp_param_dtype is not None:

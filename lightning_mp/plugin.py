@@ -27,7 +27,7 @@ from typing_extensions import override
 import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import lightning_scaler_state, load_plugin_state, plugin_state
 from lightning_mp.fp8 import FP8Config
-from lightning_mp.guards import guard_for_run
+from lightning_mp.guards import FP32GuardSpec, guard_for_run
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.options import announce, describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
@@ -68,8 +68,9 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
             gradients to ``None`` right after the step (automatic optimization).
         tf32: ``True``/``False`` sets TF32 matmul/cuDNN for the run (restored at teardown); ``None``: the mode's.
         fp32_modules: modules run in fp32 (class names, name patterns, classes, ``"defaults"``); ``None``: the
-            defaults (norms, softmax, losses); ``[]``: none. ``master_weights``: ``"fp32"`` (default), ``"kahan"``,
-            ``"stochastic"``, ``"none"``, ``"optimizer"`` (true-half modes; :mod:`lightning_mp.master`).
+            defaults (norms, softmax, losses; in ``bf16-true`` with master weights plain ``nn.LayerNorm`` modules
+            run in bf16, their kernel computing in fp32); ``[]``: none. ``master_weights``: ``"fp32"`` (default),
+            ``"kahan"``, ``"stochastic"``, ``"none"``, ``"optimizer"`` (true-half modes; :mod:`lightning_mp.master`).
         fp8: :class:`~lightning_mp.fp8.FP8Config` or a dict of its fields, for ``precision="fp8"``.
         reduce_dtype, fsdp_param_dtype: the dtype gradients are reduced in across ranks, and the dtype FSDP gathers
             parameters in for compute (``"fp32"``/None, ``"bf16"``, ``"fp16"``).
@@ -177,11 +178,7 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
         self._run.set_sharded(distributed.check_strategy(strategy, self.mode, self.master_weights, self.fp8_config))
         self.stats.set_scaler(self._run.scaler)
         device = distributed.root_device(distributed.unwrap_lightning_module(module), module)
-        spec = self.fp32_guards
-        if self.mode is not None and not self.mode.true_half and device.type == "cuda":
-            # fp32 weights: CUDA autocast (any mode a schedule switches to) and TE's norms run these in fp32 already
-            spec = spec.without_autocast_fp32()
-        guarded, unguard = guard_for_run(module, spec)
+        guarded, unguard = guard_for_run(module, self._fp32_guard_spec(device.type))
         self._patches.add(f"FP32 guards on {len(guarded)} modules of {type(module).__name__}", unguard)
         self._guarded_classes = tuple({type(module.get_submodule(name)) for name in guarded})
         half_gathers = distributed.fsdp_gather_dtype(self.mode, self.fsdp_param_dtype) is not None
@@ -192,6 +189,16 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
         self._run.convert_fp8(module, device)  # swaps layers in place, before the optimizers exist
         self._converted = module
         return module
+
+    def _fp32_guard_spec(self, device_type: str) -> FP32GuardSpec:
+        """The FP32 guards this run installs: ``fp32_modules`` as the mode and device use it."""
+        spec, mode = self.fp32_guards, self.mode
+        if mode is not None and not mode.true_half and device_type == "cuda":
+            # fp32 weights: CUDA autocast (any mode a schedule switches to) and TE's norms run these in fp32 already
+            spec = spec.without_autocast_fp32()
+        if mode is not None and mode.param_dtype is torch.bfloat16 and self._weights.kind(mode) != "none":
+            spec = spec.with_native_layer_norm()  # (the defaults: torch's LayerNorm on bf16, masters keep fp32 values)
+        return spec
 
     @override
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:

@@ -603,7 +603,8 @@ class OptimizerSteps:
                 " 'bf16' or 'bf16-true' with closure-taking optimizers."
             )
         state = self._state(optimizer)
-        records = self.masters.gather(optimizer) if self.masters is not None else None
+        # (every half parameter stands in, also one without a gradient yet: the optimizer makes them in its step)
+        records = self.masters.gather(optimizer, every=True) if self.masters is not None else None
         standin = {id(r.param): r.standin for r in records.records} if records is not None else {}
         model_params = [p for g in optimizer.param_groups for p in g["params"]]
         stepped = [standin.get(id(p), p) for p in model_params]  # what the optimizer holds during the step

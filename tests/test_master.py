@@ -130,8 +130,11 @@ def test_weights_masters_and_optimizer_state_dtypes(mode, kind):
     half = HALF[mode]
     assert trainer.precision == {"bf16-true": "bf16-true", "fp16-true": "16-true"}[mode]
     assert plugin.master_weights == kind
+    # bf16-true with masters runs a plain LayerNorm in bf16 (torch's kernel computes it in fp32; its masters keep
+    # the fp32 values); fp16-true and masterless runs guard it in fp32
+    norm = half if mode == "bf16-true" and kind != "none" else torch.float32
     assert {n: p.dtype for n, p in model.named_parameters()} == {
-        "net1.weight": half, "net1.bias": half, "norm.weight": torch.float32, "norm.bias": torch.float32,
+        "net1.weight": half, "net1.bias": half, "norm.weight": norm, "norm.bias": norm,
         "net2.weight": half, "net2.bias": half,
     }
     opt = trainer.optimizers[0]
@@ -438,11 +441,15 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, mode, kind):
 
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["state_dict"]["net1.weight"].dtype == HALF[mode]  # the module's weights: training dtype
-    assert checkpoint["state_dict"]["norm.weight"].dtype == torch.float32
+    # (bf16-true with masters: the plain LayerNorm is bf16 with masters too; fp16-true guards it in fp32)
+    native_norm = mode == "bf16-true"
+    assert checkpoint["state_dict"]["norm.weight"].dtype == (HALF[mode] if native_norm else torch.float32)
     saved = checkpoint["MPPlugin"]["master_weights"]
     assert saved["kind"] == kind
     if kind == "fp32":
-        assert set(saved["masters"]) == {"net1.weight", "net1.bias", "net2.weight", "net2.bias"}
+        assert set(saved["masters"]) == {"net1.weight", "net1.bias", "net2.weight", "net2.bias"} | (
+            {"norm.weight", "norm.bias"} if native_norm else set()
+        )
         assert saved["masters"]["net1.weight"].dtype == torch.float32
     elif kind == "kahan":
         assert saved["compensation"]["net1.weight"].dtype == HALF[mode]
@@ -551,6 +558,9 @@ def test_lbfgs_steps_the_masters(kind):
     model = WithLBFGS(n=8, batch_size=8)  # one batch, the same every step: the loss can only fall by the steps
     trainer, plugin, model = fit("bf16-true", kind, 6, model=model)
     assert plugin.stats.steps == 6 and plugin.stats.skipped_steps == 0
+    # the first step too ran on the masters (no gradient existed before it): LBFGS's history is theirs, fp32
+    history = trainer.optimizers[0].state_dict()["state"][0]
+    assert kind != "fp32" or {t.dtype for t in (history["d"], history["prev_flat_grad"])} == {torch.float32}
     assert model.losses[-1] < 0.5 * model.losses[0]
     if kind == "fp32":
         for p in model.parameters():

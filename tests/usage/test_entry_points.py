@@ -516,7 +516,9 @@ def test_default_guards_add_no_graph_breaks(mode: str) -> None:
     if mode in EP_TRUE_HALF:
         returned = plugin.convert_module(block)  # guards and half weights (guarded modules stay fp32), in place
         assert returned is block
-        assert block.qkv.weight.dtype == EP_HALF[mode] and block.ln1.weight.dtype == torch.float32
+        # (bf16-true's defaults run a plain LayerNorm in bf16, with master weights; fp16-true guards it in fp32)
+        norm_dtype = EP_HALF[mode] if EP_HALF[mode] is torch.bfloat16 else torch.float32
+        assert block.qkv.weight.dtype == EP_HALF[mode] and block.ln1.weight.dtype == norm_dtype
     else:
         guarded = apply_fp32_guards(block)
         assert set(guarded) == {"ln1", "softmax", "ln2"}
