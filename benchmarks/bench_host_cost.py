@@ -18,7 +18,9 @@ step and at the end only), and the statistics are over rounds. ``--cpu-time`` ti
 ``--thread-time`` the main thread's CPU time of every step, also on a GPU (a figure a step, no sync per step: the
 time the thread was descheduled on a shared host does not count, a wait on the GPU does). The figure of
 a mode is the median over all its rounds' timed steps, with the interquartile range, from ``torch.utils.benchmark``'s
-``Measurement``; ``ratio`` is Lightning's median over ours (above 1: ours is faster).
+``Measurement``; ``ratio`` is Lightning's median over ours (above 1: ours is faster); ``paired ratio`` the median over
+rounds of the round's Lightning figure over ours (with a figure a round, on a GPU: what a host whose speed drifts
+between rounds still resolves).
 
 Run from the repository root::
 
@@ -32,6 +34,7 @@ import json
 import logging
 import os
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -200,16 +203,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     print(f"\n{args.model} on {device_name}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, "
           f"{'main-thread CPU' if args.thread_time else 'process CPU' if args.cpu_time else 'wall'} time, "
           f"{args.threads} thread(s)")
-    print("| mode | Lightning ms (IQR) | MPPlugin ms (IQR) | ratio (Lightning / ours) |")
-    print("|---|---|---|---|")
+    print("| mode | Lightning ms (IQR) | MPPlugin ms (IQR) | ratio (Lightning / ours) | paired ratio |")
+    print("|---|---|---|---|---|")
     rows = []
     for lit, ours in pairs:
         a, b = measurement(lit, times[f"lightning-{lit}"]), measurement(ours, times[f"mp-{ours}"])
         ratio = a.median / b.median
+        # the same round's figures side by side (run minutes apart at most): a host whose speed drifts between
+        # rounds moves both alike; the median of these ratios is what a noisy machine still resolves
+        paired = statistics.median(x / y for x, y in zip(times[f"lightning-{lit}"], times[f"mp-{ours}"]))
         rows.append({"lightning": lit, "ours": ours, "lightning_ms": a.median * 1e3, "lightning_iqr_ms": a.iqr * 1e3,
-                     "ours_ms": b.median * 1e3, "ours_iqr_ms": b.iqr * 1e3, "ratio": ratio})
+                     "ours_ms": b.median * 1e3, "ours_iqr_ms": b.iqr * 1e3, "ratio": ratio, "paired_ratio": paired})
         print(f"| {lit} / {ours} | {a.median * 1e3:.3f} ({a.iqr * 1e3:.3f}) | {b.median * 1e3:.3f} "
-              f"({b.iqr * 1e3:.3f}) | {ratio:.3f} |")
+              f"({b.iqr * 1e3:.3f}) | {ratio:.3f} | {paired:.3f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__, "model": args.model, "rows": rows,

@@ -459,12 +459,15 @@ class MasterWeights:
         """The fp32 stand-ins take the parameters' places in the param groups, with their optimizer state."""
         if records.swapped:
             return
-        states = _states_of(records.optimizer)
         for r in records.records:
             r.group[r.index] = r.standin
-            for state in states:
-                if r.param in state:
-                    state[r.standin] = state.pop(r.param)
+        for state in _states_of(records.optimizer):
+            if state:  # (empty before the optimizer's first step)
+                pop = state.pop
+                for r in records.records:
+                    moved = pop(r.param, None)  # (no entry made: the state is a defaultdict)
+                    if moved is not None:
+                        state[r.standin] = moved
         records.swapped = True
 
     @staticmethod
@@ -472,12 +475,15 @@ class MasterWeights:
         """The parameters get their places and their optimizer state back."""
         if not records.swapped:
             return
-        states = _states_of(records.optimizer)
         for r in records.records:
             r.group[r.index] = r.param
-            for state in states:
-                if r.standin in state:
-                    state[r.param] = state.pop(r.standin)
+        for state in _states_of(records.optimizer):
+            if state:
+                pop = state.pop
+                for r in records.records:
+                    moved = pop(r.standin, None)
+                    if moved is not None:
+                        state[r.param] = moved
         records.swapped = False
 
     @contextlib.contextmanager
@@ -787,7 +793,7 @@ class FP32MasterWeights(MasterWeights):
             if grad is None or type(grad) is not Tensor or grad.layout is not torch.strided:
                 return None
         grads = cast(list[Tensor], maybe)  # (each checked above)
-        now = [stamp(p) for p in half]
+        now = [(p.data_ptr(), p._version) for p in half]  # (stamp() inline: every step, every parameter)
         if now != [e.stamp for e in entries]:
             if [n[0] for n in now] != layout.ptrs:  # a storage replaced: aliases and layout made again
                 self._layouts.pop(optimizer, None)
@@ -839,7 +845,7 @@ class FP32MasterWeights(MasterWeights):
         for key in layout.standins:
             standins.pop(key, None)
         for param, entry in zip(layout.half, layout.entries):
-            entry.stamp = stamp(param)
+            entry.stamp = (param.data_ptr(), param._version)  # (stamp() inline)
 
     def _new_held(self, param: Tensor, original: Optional[Tensor]) -> Tensor:
         if original is not None:
