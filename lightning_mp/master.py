@@ -348,6 +348,17 @@ class MasterWeights:
             entry.acc = None
         self._carrying = False
 
+    def to_(self, device: torch.device) -> None:
+        """Keep what the masters hold on ``device``: the CPU when the run ends (Lightning's teardown moves the model and
+        the optimizer state there and frees the GPU), the model's device at the next set-up. The values do not change;
+        fp32 sums of a window that never stepped are dropped."""
+        with torch.no_grad():
+            for entry in self._entries.values():
+                held = entry.held
+                if held is not None and held.device != device:
+                    held.data = held.data.to(device)  # (the same object: a master is a Parameter)
+        self.drop_sums()
+
     def pending_sums(self) -> list[Tensor]:
         """The fp32 sums carried so far (to be reduced across ranks under DDP's ``no_sync``)."""
         return [e.acc for e in self._entries.values() if e.acc is not None]
@@ -726,6 +737,10 @@ class FP32MasterWeights(MasterWeights):
         self._layouts: "weakref.WeakKeyDictionary[Optimizer, tuple[tuple, Optional[_Layout]]]" = (
             weakref.WeakKeyDictionary()
         )
+
+    def to_(self, device: torch.device) -> None:
+        super().to_(device)
+        self._layouts = weakref.WeakKeyDictionary()  # (their aliases and flat gradient buffers stay where they were)
 
     def __getstate__(self) -> dict[str, Any]:
         # layouts are made again at the next step (they are keyed weakly by optimizer, which pickle cannot carry)

@@ -211,6 +211,8 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
         self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=self.mode.fp8)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         masters = self._weights.connect(self.mode, module or model, raw, fsdp=self._fsdp_root is not None)
+        if masters is not None:
+            masters.to_(device)  # (kept from an earlier fit, they waited on the CPU)
         self._steps = OptimizerSteps(
             self._run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
             saturation=self._fp8.sentinel.take if self._fp8 is not None and self.mode.fp8 else None,
@@ -232,6 +234,10 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
                 self._steps.close()  # the last batch ends, the gradient hooks go
         finally:
             self._patches.undo_all()  # guards, the scheduler hold, TF32, TE: the module is a plain module again
+            if self.masters is not None:
+                # Lightning's teardown moved the model and the optimizer state to the CPU: the masters follow, so
+                # the GPU memory is freed as with Lightning's plugins (they come back at the next fit's set-up)
+                self.masters.to_(torch.device("cpu"))
             super().teardown()
 
     @property
