@@ -139,9 +139,11 @@ class NonfiniteGuard:
                 torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         state["stage"] = OptState.STEPPED
         if verdict.takes_device_verdict(optimizer, scaling=False, device=self.scale_device):
-            flags = [f.reshape(()).float() for f in found.values()]
+            # the flag where the optimizer's kernel runs (FSDP's CPU offload steps shards on the CPU)
+            where = optimizer.param_groups[0]["params"][0].device if optimizer.param_groups[0]["params"] else None
+            flags = [f.reshape(()).float().to(where or f.device) for f in found.values()]
             optimizer.found_inf = (  # type: ignore[attr-defined]  # torch's fused protocol: skips on exactly 1
-                flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
+                flags[0] if len(flags) == 1 else torch.stack(flags).amax()
             )
             try:
                 return optimizer.step(*args, **kwargs)
