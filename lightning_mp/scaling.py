@@ -122,6 +122,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             row back off, as DeepSpeed's); ``False`` only when the scale grows (Megatron-LM's behaviour).
         min_scale, max_scale: the scale stays in ``[min_scale, max_scale]``.
         dynamic: ``False`` keeps the scale at ``init_scale`` (a static loss scale); steps are still skipped.
+        scaling: ``True`` only (``False`` was the check-only mode of earlier releases: see below).
     The modes without a loss scale skip steps with :class:`~lightning_mp.nonfinite.NonfiniteGuard` instead.
     Inside :class:`~lightning_mp.MPPlugin` the counts (``skipped_steps``...) are the plugin's ``stats``, summed over
     optimizers (:meth:`counts_from`): skips are counted in one place.
@@ -149,7 +150,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
         min_scale: float = DEFAULTS["min_scale"],
         max_scale: float = DEFAULTS["max_scale"],
         dynamic: bool = True,
+        scaling: bool = True,
     ) -> None:
+        if scaling is not True:  # (the check-only mode of earlier releases)
+            raise TypeError(
+                f"DynamicLossScaler(scaling={scaling!r}): a loss scaler always scales now; the inf/NaN step guard"
+                " without a loss scale is lightning_mp.NonfiniteGuard(device)."
+            )
         given: dict[str, Any] = dict(init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
                                      growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale,
                                      max_scale=max_scale)  # (checked unless disabled: torch ignores them then)

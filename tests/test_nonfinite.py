@@ -144,3 +144,8 @@ def test_a_loss_scaler_in_the_plugin_reads_the_plugins_counts():
     assert (scaler.steps, scaler.skipped_steps, scaler.consecutive_skips) == (6, 2, 0)
     state = scaler.state_dict()
     assert (state["steps"], state["skipped_steps"]) == (6, 2)
+
+
+def test_the_old_check_only_scaler_points_to_the_guard():
+    with pytest.raises(TypeError, match="NonfiniteGuard"):
+        DynamicLossScaler("cpu", scaling=False)
