@@ -12,6 +12,7 @@ still round to them (:meth:`lightning_mp.master.MasterWeights.load_state_dict`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -115,6 +116,7 @@ def _load_master_weights(
     saved_kind = saved.get("kind") if isinstance(saved, dict) else None
     if saved is not None and saved_kind is None:
         raise ValueError("The checkpoint's master-weights state is corrupted: it has no 'kind'.")
+    params = dict(module.named_parameters()) if module is not None else {}
     if masters is not None:
         if saved is None:
             rank_zero_warn(
@@ -127,15 +129,30 @@ def _load_master_weights(
                 f"MPPlugin: the checkpoint's master weights are {saved_kind!r}, training resumes with"
                 f" master_weights={current!r}: converted through their fp32 values."
             )
-        masters.load_state_dict(saved)
+        # parameters half with masters then and fp32 now (guarded in this run: a mode or fp32_modules change, e.g.
+        # bf16-true's LayerNorms resumed in fp16-true) take their masters' values; the rest is the masters' to load
+        held = set(masters.named_params())
+        fp32_now = {n: v for n, v in fp32_values(saved, params).items() if n not in held}
+        _fp32_weights_take(fp32_now, params, saved_dtype)
+        masters.load_state_dict(_without(saved, set(fp32_now)))
         return
     if saved is None:
         return
     # no master weights now: fp32 weights (a mixed mode) take the masters' values where they fit
-    params = dict(module.named_parameters()) if module is not None else {}
+    if not _fp32_weights_take(fp32_values(saved, params), params, saved_dtype):
+        rank_zero_warn(
+            f"MPPlugin: the checkpoint's {saved_kind!r} master weights are not used: precision={mode!r}"
+            + (" with master_weights='none' trains the half weights alone." if current == "none" else ".")
+        )
+
+
+def _fp32_weights_take(
+    values: dict[str, torch.Tensor], params: Mapping[str, torch.Tensor], saved_dtype: Optional[torch.dtype]
+) -> int:
+    """fp32 parameters take the saved masters' values; returns how many did."""
     restored = 0
     with torch.no_grad():
-        for name, value in fp32_values(saved, params).items():
+        for name, value in values.items():
             param = params.get(name)
             if param is None or param.dtype != torch.float32 or param.shape != value.shape:
                 continue
@@ -146,11 +163,21 @@ def _load_master_weights(
                 continue
             param.copy_(value)
             restored += 1
-    if not restored:
-        rank_zero_warn(
-            f"MPPlugin: the checkpoint's {saved_kind!r} master weights are not used: precision={mode!r}"
-            + (" with master_weights='none' trains the half weights alone." if current == "none" else ".")
-        )
+    return restored
+
+
+def _without(saved: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A master-weights state less the entries of ``names`` (in each part keyed by parameter name)."""
+    if not names:
+        return saved
+    return {
+        key: {n: v for n, v in value.items() if n not in names} if key in _PER_PARAMETER else value
+        for key, value in saved.items()
+    }
+
+
+#: the parts of a master-weights state keyed by parameter name
+_PER_PARAMETER = ("masters", "compensation", "weights_fingerprint")
 
 
 #: the entries of ``torch.amp.GradScaler.state_dict()``: what Lightning's ``MixedPrecision`` saves and loads

@@ -459,6 +459,31 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(tmp_path, mode, kind):
     assert {t.dtype for t in checkpoint["optimizer_states"][0]["state"][0].values() if t.dim()} == {torch.float32}
 
 
+@pytest.mark.parametrize(("mode", "kwargs"), [("fp16-true", {"init_scale": 2.0**8}), ("bf16-true",
+                                                  {"fp32_modules": ["defaults"]}), ("bf16", {})])
+def test_a_layernorm_with_masters_resumes_where_it_is_guarded(tmp_path, mode, kwargs):
+    """``bf16-true``'s defaults give its LayerNorm bf16 weights with fp32 masters; a run that guards it in fp32
+    (``fp16-true``, explicit guards, a mixed mode) resumes from such a checkpoint with the masters' exact values in
+    the fp32 weights (the checkpoint's own LayerNorm weights are their rounding)."""
+    trainer, plugin, model = fit("bf16-true", "fp32", 4)
+    assert model.norm.weight.dtype is torch.bfloat16
+    masters = {n: plugin.masters.master_of(p).detach().clone() for n, p in model.named_parameters()}
+    path = tmp_path / "native_norm.ckpt"
+    trainer.save_checkpoint(path)
+
+    class Restored(Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.params = {n: p.detach().clone() for n, p in pl_module.named_parameters()}
+
+    restored = Restored()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "resumes with precision=...", "dataloader is not resumable"
+        make_trainer(MPPlugin(mode, **kwargs), max_steps=5, callbacks=[restored]).fit(HalfNet(), ckpt_path=path)
+    for name in ("norm.weight", "norm.bias"):
+        assert restored.params[name].dtype is torch.float32
+        assert torch.equal(restored.params[name], masters[name]), name
+
+
 def test_resume_in_another_mode_or_kind_keeps_the_fp32_values(tmp_path):
     trainer, plugin, model = fit("bf16-true", "fp32", 4)
     path = tmp_path / "masters.ckpt"
