@@ -210,9 +210,8 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
         dtypes = (self.reduce_dtype, self.fsdp_param_dtype)
         self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=self.mode.fp8)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
-        masters = self._weights.connect(self.mode, module or model, raw, fsdp=self._fsdp_root is not None)
-        if masters is not None:
-            masters.to_(device)  # (kept from an earlier fit, they waited on the CPU)
+        fsdp = self._fsdp_root is not None
+        masters = self._weights.connect(self.mode, module or model, raw, fsdp=fsdp, device=device)
         self._steps = OptimizerSteps(
             self._run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
             saturation=self._fp8.sentinel.take if self._fp8 is not None and self.mode.fp8 else None,

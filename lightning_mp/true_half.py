@@ -49,9 +49,16 @@ class MasterWeightsSetup:
         return self.asked or self.found or "fp32"
 
     def connect(
-        self, mode: PrecisionMode, model: nn.Module, optimizers: list[Optimizer], *, fsdp: bool
+        self,
+        mode: PrecisionMode,
+        model: nn.Module,
+        optimizers: list[Optimizer],
+        *,
+        fsdp: bool,
+        device: Optional[torch.device] = None,
     ) -> Optional[MasterWeights]:
-        """The master weights for this run's optimizers (``None``: the optimizers step the parameters)."""
+        """The master weights for this run's optimizers (``None``: the optimizers step the parameters), on
+        ``device`` (masters kept from an earlier fit waited on the CPU)."""
         _warn_redundant_optimizer_masters(mode, optimizers)
         if not mode.true_half or fsdp:
             return None  # (under FSDP the fp32 shards are the master weights)
@@ -67,6 +74,8 @@ class MasterWeightsSetup:
             self.masters = make_master_weights(kind)
         masters = self.masters
         assert masters is not None  # "none" and "optimizer" (no masters of ours) returned above
+        if device is not None:
+            masters.to_(device)  # (before they are compared with the weights, and broadcast under DDP)
         masters.name_parameters(model)
         for opt in optimizers:
             masters.attach(opt)
