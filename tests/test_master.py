@@ -47,7 +47,8 @@ def data(n: int = 64, features: int = 16, seed: int = 0) -> tuple[torch.Tensor, 
 
 
 class HalfNet(LightningModule):
-    """Linear -> LayerNorm (guarded in fp32, except in bf16-true with masters) -> ReLU -> Linear; batches taken by the global batch index.
+    """Linear -> LayerNorm (guarded in fp32, except in bf16-true with masters) -> ReLU -> Linear; batches taken by
+    the global batch index.
 
     Args:
         poison_loss: global batch indices whose loss is multiplied by inf.
