@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_mp.master import MasterWeights, fp32_values
+from lightning_mp.master import MasterWeights, fp32_values, without_parameters
 from lightning_mp.modes import MODES
 from lightning_mp.stats import StepStats
 
@@ -134,7 +134,7 @@ def _load_master_weights(
         held = set(masters.named_params())
         fp32_now = {n: v for n, v in fp32_values(saved, params).items() if n not in held}
         _fp32_weights_take(fp32_now, params, saved_dtype)
-        masters.load_state_dict(_without(saved, set(fp32_now)))
+        masters.load_state_dict(without_parameters(saved, set(fp32_now)))
         return
     if saved is None:
         return
@@ -164,20 +164,6 @@ def _fp32_weights_take(
             param.copy_(value)
             restored += 1
     return restored
-
-
-def _without(saved: dict[str, Any], names: set[str]) -> dict[str, Any]:
-    """A master-weights state less the entries of ``names`` (in each part keyed by parameter name)."""
-    if not names:
-        return saved
-    return {
-        key: {n: v for n, v in value.items() if n not in names} if key in _PER_PARAMETER else value
-        for key, value in saved.items()
-    }
-
-
-#: the parts of a master-weights state keyed by parameter name
-_PER_PARAMETER = ("masters", "compensation", "weights_fingerprint")
 
 
 #: the entries of ``torch.amp.GradScaler.state_dict()``: what Lightning's ``MixedPrecision`` saves and loads

@@ -808,7 +808,7 @@ class FP32MasterWeights(MasterWeights):
             if grad is None or type(grad) is not Tensor or grad.layout is not torch.strided:
                 return None
         grads = cast(list[Tensor], maybe)  # (each checked above)
-        now = [(p.data_ptr(), p._version) for p in half]  # (stamp() inline: every step, every parameter)
+        now = [stamp(p) for p in half]
         if now != [e.stamp for e in entries]:
             if [n[0] for n in now] != layout.ptrs:  # a storage replaced: aliases and layout made again
                 self._layouts.pop(optimizer, None)
@@ -860,7 +860,7 @@ class FP32MasterWeights(MasterWeights):
         for key in layout.standins:
             standins.pop(key, None)
         for param, entry in zip(layout.half, layout.entries):
-            entry.stamp = (param.data_ptr(), param._version)  # (stamp() inline)
+            entry.stamp = stamp(param)
 
     def _new_held(self, param: Tensor, original: Optional[Tensor]) -> Tensor:
         if original is not None:
@@ -1097,6 +1097,20 @@ def fp32_values(state: dict[str, Any], params: Mapping[str, Tensor]) -> dict[str
             if name in params and isinstance(comp, Tensor) and comp.shape == params[name].shape
         }
     return {}
+
+
+#: the parts of a master-weights state keyed by parameter name (the kinds' ``state_dict``)
+_PER_PARAMETER = ("masters", "compensation", "weights_fingerprint")
+
+
+def without_parameters(state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A master-weights state less the entries of ``names`` (in each part keyed by parameter name)."""
+    if not names:
+        return state
+    return {
+        key: {n: v for n, v in value.items() if n not in names} if key in _PER_PARAMETER else value
+        for key, value in state.items()
+    }
 
 
 _KINDS = {"fp32": FP32MasterWeights, "kahan": KahanCompensation, "stochastic": StochasticRounding}

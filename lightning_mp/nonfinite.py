@@ -42,14 +42,11 @@ class NonfiniteGuard:
 
     #: the loss is not scaled (a loss scaler's is ``True``): the step and callbacks ask this
     scaling = False
-    #: whether the check already gives every rank the same verdict (the sharded guard's does)
-    verdict_agrees_across_ranks = False
 
     def __init__(self, device: str = "cuda", *, sharded: bool = False) -> None:
         self._device = device
         #: FSDP: each rank checks its own shards and the verdict is reduced over the process group in the check
         self.sharded = sharded
-        self.verdict_agrees_across_ranks = sharded
         self._scale_device: Optional[torch.device] = None
         #: per optimizer, torch's protocol state (``stage``, ``found_inf_per_device``), where the verdicts live
         self._per_optimizer_states: defaultdict = defaultdict(_refresh_per_optimizer_state)
@@ -71,7 +68,8 @@ class NonfiniteGuard:
         if self._scale_device is None:
             self._scale_device = torch.device(device)
 
-    initialized = property(lambda self: self._scale_device is not None)
+    #: whether the check already gives every rank the same verdict (the sharded one reduces it)
+    verdict_agrees_across_ranks = property(lambda self: self.sharded)
     device_type = property(lambda self: self._device)
     scale_device = property(
         lambda self: self._scale_device if self._scale_device is not None else torch.device(self._device),
@@ -108,11 +106,7 @@ class NonfiniteGuard:
         """One flag over every rank's shards. Each rank makes exactly one all-reduce, also a rank that holds no shard
         with a gradient, and flags of CPU-offloaded shards travel through the device (NCCL reduces device tensors)."""
         device = self.scale_device
-        flags = [f.reshape(()).to(device) for f in found.values()]
-        if not flags:
-            flag = torch.zeros((), device=device)
-        else:
-            flag = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+        flag = verdict.one_flag(list(found.values()), device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)  # enqueued on the device
         return {device: flag}
@@ -140,11 +134,10 @@ class NonfiniteGuard:
         state["stage"] = OptState.STEPPED
         if verdict.takes_device_verdict(optimizer, scaling=False, device=self.scale_device):
             # the flag where the optimizer's kernel runs (FSDP's CPU offload steps shards on the CPU)
-            where = optimizer.param_groups[0]["params"][0].device if optimizer.param_groups[0]["params"] else None
-            flags = [f.reshape(()).float().to(where or f.device) for f in found.values()]
-            optimizer.found_inf = (  # type: ignore[attr-defined]  # torch's fused protocol: skips on exactly 1
-                flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-            )
+            params = optimizer.param_groups[0]["params"]
+            where = params[0].device if params else self.scale_device
+            # torch's fused protocol: skips on exactly 1
+            optimizer.found_inf = verdict.one_flag(list(found.values()), where)  # type: ignore[attr-defined]
             try:
                 return optimizer.step(*args, **kwargs)
             finally:
@@ -153,12 +146,12 @@ class NonfiniteGuard:
         self.last_skipped_host = skipped if self.last_skipped_host is None else (self.last_skipped_host or skipped)
         return None if skipped else optimizer.step(*args, **kwargs)
 
-    def update_from(self, verdicts: list[torch.Tensor | bool]) -> None:
+    def update(self) -> None:
         """The training batch is over: forget its verdicts (nothing moves; the step counts the outcomes)."""
         self._per_optimizer_states.clear()
 
-    def update(self) -> None:
-        self._per_optimizer_states.clear()
+    def update_from(self, verdicts: list[torch.Tensor | bool]) -> None:
+        self.update()
 
     # ------------------------------------------------------------------ checkpoints: nothing of its own
     def state_dict(self) -> dict[str, Any]:

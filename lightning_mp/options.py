@@ -122,7 +122,7 @@ def summary(plugin: Any) -> str:
         parts.append("inf/NaN steps skipped")
         if plugin.max_consecutive_skips is not None:
             parts.append(f"stop after {plugin.max_consecutive_skips} in a row")
-    spec = plugin._fp32_guard_spec(plugin.device) if hasattr(plugin, "_fp32_guard_spec") else plugin.fp32_guards
+    spec = plugin._fp32_guard_spec(plugin.device)
     native_layer_norm = "" if spec.plain_layer_norm else " (plain LayerNorms in bf16)"
     if spec.empty:
         parts.append("no FP32 guards")

@@ -226,9 +226,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _fused_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
         """Hand the optimizer ``grad_scale`` and ``found_inf`` for its fused kernel, as ``GradScaler.step`` does."""
         scale = cast(torch.Tensor, self._scale)  # step() checked that it is set
-        found = [f.to(scale.device, non_blocking=True) for f in optimizer_state["found_inf_per_device"].values()]
         # one 0/1 flag (fused kernels skip on exactly 1; torch sums the devices' flags)
-        optimizer.found_inf = _amax(found)  # type: ignore[attr-defined]
+        found = list(optimizer_state["found_inf_per_device"].values())
+        optimizer.found_inf = verdict.one_flag(found, scale.device)  # type: ignore[attr-defined]
         # gradients unscale_ already divided need no scale; else the scale, times any the user set
         user = getattr(optimizer, "grad_scale", None)
         unscaled = optimizer_state["stage"] is OptState.UNSCALED
@@ -309,8 +309,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 budget = cast(torch.Tensor, self._hysteresis_tracker)  # (made with the scale)
                 self.policy.update_(scale, tracker, budget, verdict.constant(float(any(verdicts)), scale.device))
             return
-        found = _amax([verdict.constant(float(v), scale.device) if isinstance(v, bool) else v for v in verdicts])
-        self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: found.to(scale.device)}
+        found = [verdict.constant(float(v), scale.device) if isinstance(v, bool) else v for v in verdicts]
+        self._per_optimizer_states[0]["found_inf_per_device"] = {scale.device: verdict.one_flag(found, scale.device)}
         self.update()
 
     # ------------------------------------------------------------------ counts (each read syncs)
@@ -389,12 +389,6 @@ def _takes_grad_scaler(optimizer_class: type) -> bool:
         step = getattr(optimizer_class, "step")
         known = _GRAD_SCALER_ARGUMENT[optimizer_class] = "grad_scaler" in inspect.signature(step).parameters
     return known
-
-
-def _amax(flags: list[torch.Tensor]) -> torch.Tensor:
-    """One 0-dim flag from several (any raised: raised)."""
-    flat = [f.reshape(()).float() for f in flags]
-    return flat[0] if len(flat) == 1 else torch.stack(flat).amax()
 
 
 def checked_torch_state(state_dict: dict[str, Any]) -> dict[str, Any]:

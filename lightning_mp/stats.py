@@ -145,14 +145,11 @@ class StatsCounts:
         pass
 
     def value(self, i: int) -> int:
-        stats = self._stats
-        getters: tuple[Callable[[], Any], ...] = (
-            lambda: stats.steps, lambda: stats.skipped_steps, lambda: stats.consecutive_skips, lambda: stats.skipped
-        )
-        return int(getters[i]())
+        return self.values()[i]
 
     def values(self) -> list[int]:
-        return [self.value(i) for i in range(4)]
+        stats = self._stats
+        return [stats.steps, stats.skipped_steps, stats.consecutive_skips, int(stats.skipped)]
 
     def tensor(self) -> Optional[Tensor]:
         return None  # (the plugin's counts live on the host)

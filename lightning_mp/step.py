@@ -54,7 +54,7 @@ from lightning_mp.master import MasterWeights, StepRecords, wrapped_optimizers
 from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
 import lightning_mp.verdict as checks
-from lightning_mp.nonfinite import NonfiniteGuard, StepGuard
+from lightning_mp.nonfinite import StepGuard
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
@@ -334,11 +334,8 @@ class OptimizerSteps:
                     self._check(optimizer, state)
                 found = torch_state["found_inf_per_device"]
             if state.plan is _CHECK_ONLY_FUSED:  # the kernel skips on found_inf == 1: no host sync
-                flags = [f.reshape(()) for f in found.values()]
-                verdict: Optional[Tensor] = (
-                    torch.zeros((), device=scaler.scale_device) if not flags
-                    else flags[0] if len(flags) == 1 else torch.stack([f.to(flags[0].device) for f in flags]).amax()
-                )
+                flags = list(found.values())
+                verdict: Optional[Tensor] = checks.one_flag(flags, flags[0].device if flags else scaler.scale_device)
                 skipped: Optional[bool] = None
                 optimizer.found_inf = verdict  # type: ignore[attr-defined]
                 try:
@@ -451,8 +448,7 @@ class OptimizerSteps:
         scaler = self.scaler
         assert scaler is not None  # every caller has one
         if scaler.verdicts.stage(optimizer) is OptState.READY:
-            # (the guard's read-only check; a loss scaler unscaled in prepare, so never READY here)
-            scaler.check_(optimizer) if isinstance(scaler, NonfiniteGuard) else scaler.unscale_(optimizer)
+            scaler.unscale_(optimizer)  # the guard's read-only check (a loss scaler unscaled in prepare already)
         else:
             flag = torch.zeros((), device=scaler.scale_device)
             for found in checks.check_grads_(optimizer, flag).values():

@@ -61,6 +61,15 @@ def takes_device_verdict(optimizer: torch.optim.Optimizer, scaling: bool, device
     return bool(fused) and (scaling or device.type in DEVICE_VERDICT_TYPES)
 
 
+def one_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One 0-dim float32 flag on ``device`` from per-device ones (any raised: raised; none: a zero flag), as fused
+    optimizers take ``found_inf``."""
+    if not flags:
+        return torch.zeros((), device=device)
+    flat = [f.reshape(()).float().to(device, non_blocking=True) for f in flags]
+    return flat[0] if len(flat) == 1 else torch.stack(flat).amax()
+
+
 # ---------------------------------------------------------------------- the checks
 def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
     """Find inf/NaN among ``optimizer``'s gradients, dividing nothing; returns ``found_inf`` (or a flag per device).
