@@ -275,6 +275,11 @@ class FP32SumReduction:
         if sums and world_size() > 1:
             self._pending = (sums, [torch.distributed.all_reduce(s, async_op=True) for s in sums])
 
+    @property
+    def started(self) -> bool:
+        """Whether a reduction is under way (:meth:`wait` has something to wait for)."""
+        return self._pending is not None
+
     def wait(self) -> None:
         pending, self._pending = self._pending, None
         if pending is None:

@@ -51,7 +51,9 @@ Example (a plain loop; :class:`lightning_mp.MPPlugin` does all of this from Ligh
 from __future__ import annotations
 
 import contextlib
+import operator
 import weakref
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
@@ -228,11 +230,25 @@ class StepRecords:
 
     optimizer: Optimizer
     records: list[StepRecord] = field(default_factory=list)
-    swapped: bool = False
     #: with ``gather(check=True)``: 1.0 if a gradient the step would apply holds an inf/NaN (``None``: not checked)
     found: Optional[Tensor] = None
     #: the optimizer's :class:`_Layout` where the step took the planned path (``FP32MasterWeights``)
     layout: Optional["_Layout"] = None
+    #: the planned path's half gradients and their versions at the gather: the records' ``grad_seen``, filled only
+    #: where something reads them (:meth:`seen`: hooks that may write the gradients)
+    unseen: Optional[tuple[list[Optional[Tensor]], list[Optional[int]]]] = None
+    #: how the stand-ins stand in (:meth:`MasterWeights.swap_in`): ``""`` not, ``"items"`` record by record,
+    #: ``"lists"`` the planned layout's whole lists and state dicts
+    swap: str = ""
+
+    def seen(self) -> list[StepRecord]:
+        """The records, each with the ``grad_seen`` of the gather."""
+        if self.unseen is not None:
+            grads, versions = self.unseen
+            for r, grad, version in zip(self.records, grads, versions):
+                r.grad_seen = None if grad is None else (id(grad), cast(int, version))
+            self.unseen = None
+        return self.records
 
 
 class MasterWeights:
@@ -251,6 +267,8 @@ class MasterWeights:
         self._names: dict[int, str] = {}  # id(half param) -> name in the module (checkpoints)
         self._hooked: set[int] = set()  # optimizers whose state loading keeps fp32
         self._standins: dict[int, Tensor] = {}  # id(stand-in) -> half param, while a step runs
+        #: the same for the planned steps under way: id(optimizer) -> its layout's (id(stand-in) -> half param)
+        self._stepping: dict[int, dict[int, Tensor]] = {}
         self.dtype: Optional[torch.dtype] = None
         #: changes whenever an entry is made or dropped (a layout made before is stale)
         self._generation = 0
@@ -344,6 +362,8 @@ class MasterWeights:
 
     def drop_sums(self) -> None:
         """Forget the fp32 sums carried so far (a window that never stepped: Lightning zeroed its gradients)."""
+        if not self._carrying:  # (none carried since the last step took them)
+            return
         for entry in self._entries.values():
             entry.acc = None
         self._carrying = False
@@ -437,7 +457,7 @@ class MasterWeights:
     def expose(records: StepRecords) -> None:
         """Write the fp32 gradients into the half ones, so hooks see the gradient the step will apply."""
         with torch.no_grad():
-            for r in records.records:
+            for r in records.seen():
                 g32 = r.standin.grad
                 if g32 is None:  # a hook set the half gradient to None (take_rewritten): nothing to show
                     continue
@@ -456,7 +476,7 @@ class MasterWeights:
         """
         changed = 0
         with torch.no_grad():
-            for r in records.records:
+            for r in records.seen():
                 now = _grad_stamp(r.param)
                 if now != r.grad_seen:
                     grad = r.param.grad
@@ -468,7 +488,11 @@ class MasterWeights:
     @staticmethod
     def swap_in(records: StepRecords) -> None:
         """The fp32 stand-ins take the parameters' places in the param groups, with their optimizer state."""
-        if records.swapped:
+        if records.swap:
+            return
+        layout = records.layout
+        if layout is not None and layout.swap_in(records.optimizer):
+            records.swap = "lists"
             return
         for r in records.records:
             r.group[r.index] = r.standin
@@ -479,12 +503,16 @@ class MasterWeights:
                     moved = pop(r.param, None)  # (no entry made: the state is a defaultdict)
                     if moved is not None:
                         state[r.standin] = moved
-        records.swapped = True
+        records.swap = "items"
 
     @staticmethod
     def swap_out(records: StepRecords) -> None:
         """The parameters get their places and their optimizer state back."""
-        if not records.swapped:
+        if not records.swap:
+            return
+        if records.swap == "lists":
+            cast(_Layout, records.layout).swap_out(records.optimizer)
+            records.swap = ""
             return
         for r in records.records:
             r.group[r.index] = r.param
@@ -495,7 +523,7 @@ class MasterWeights:
                     moved = pop(r.standin, None)
                     if moved is not None:
                         state[r.param] = moved
-        records.swapped = False
+        records.swap = ""
 
     @contextlib.contextmanager
     def stepping(self, records: StepRecords) -> Iterator[None]:
@@ -549,6 +577,10 @@ class MasterWeights:
         """The model parameter an fp32 stand-in stands for (inside a step), or ``tensor`` if it is one of ours."""
         param = self._standins.get(id(tensor))
         if param is None:
+            for standins in self._stepping.values():  # planned steps under way
+                param = standins.get(id(tensor))
+                if param is not None:
+                    return param
             entry = self._entries.get(id(tensor))
             param = entry.param if entry is not None and entry.param is tensor else None
         return param
@@ -695,11 +727,65 @@ def _keep_state_fp32_on_load(optimizer: Optimizer) -> None:
     optimizer.register_load_state_dict_post_hook(after_load)
 
 
+class _StateMirror:
+    """An optimizer's state keyed by the fp32 stand-ins, beside its own (keyed by the parameters): the same
+    per-parameter state dicts under the other keys. A planned step swaps the optimizer's ``state`` for it and back
+    (two attribute writes) where a swap key by key would hash every parameter twice a step; either dict is made again
+    from the other where something changed it (the first step's new entries, a loaded state, an entry replaced or
+    removed)."""
+
+    def __init__(self, standin_of: dict[int, Tensor], param_of: dict[int, Tensor]) -> None:
+        self._standin_of, self._param_of = standin_of, param_of
+        self._own: Optional[defaultdict] = None  # the optimizer's own state dict, as the mirror last saw it
+        self._alt: Optional[defaultdict] = None  # the stand-ins' state dict
+        self._keys: list[int] = []  # ids of the own dict's keys and of the values (the same in both dicts)
+        self._values: list[int] = []
+
+    def standins_keyed(self, own: defaultdict) -> defaultdict:
+        """The state to step the stand-ins with, for the optimizer's state ``own``."""
+        alt = self._alt
+        if own is not self._own or alt is None or len(own) != len(self._values) \
+                or list(map(id, own.values())) != self._values or list(map(id, own)) != self._keys:
+            alt = self._alt = defaultdict(dict)
+            standin_of = self._standin_of
+            for key, value in own.items():
+                alt[standin_of.get(id(key), key)] = value
+            self._own = own
+            self._note(own)
+        return alt
+
+    def params_keyed(self, alt: defaultdict) -> defaultdict:
+        """The optimizer's own state after a step that used ``alt`` (its entries follow where the step changed them)."""
+        own = self._own
+        if alt is not self._alt or own is None or len(alt) != len(self._values) \
+                or list(map(id, alt.values())) != self._values:
+            if own is None or alt is not self._alt:
+                own = self._own = defaultdict(dict)
+            own.clear()  # (the same object: whoever holds the optimizer's state dict keeps it)
+            param_of = self._param_of
+            for key, value in alt.items():
+                own[param_of.get(id(key), key)] = value
+            self._alt = alt
+            self._note(own)
+        return own
+
+    def _note(self, own: dict) -> None:
+        self._keys, self._values = list(map(id, own)), list(map(id, own.values()))
+
+
+_GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_LAYOUT = operator.attrgetter("layout")
+_DENSE_TYPES, _DENSE_OR_NONE, _STRIDED = {Tensor}, {Tensor, type(None)}, {torch.strided}
+
+
 @dataclass
 class _Layout:
     """One optimizer's half parameters as the planned step takes them (made once, kept while the parameter set, the
     entries and the parameters' storages stay): in param-group order, with their entries, their step records (reused
-    step after step) and aliases of the weights and masters for the write-back."""
+    step after step), aliases of the weights and masters for the write-back, and each param group's list with the
+    stand-ins in the half parameters' places."""
 
     half: list[Tensor]
     entries: list[_Entry]
@@ -711,9 +797,38 @@ class _Layout:
     dst: list[Tensor]  # ``param.data`` aliases: written without a version bump, as before
     src: list[Tensor]  # the masters' ``.data``
     standins: dict[int, Tensor]  # id(master) -> half param
+    masters: list[nn.Parameter]  # the stand-ins, in the order of ``half``
+    #: each param group's params list, a copy of it, and the same with the stand-ins in the half parameters' places
+    groups: list[tuple[list, list, list]]
+    mirror: _StateMirror
+    #: the half parameters' version counters when the entries' stamps were last found equal to theirs (the masters
+    #: write the weights through ``.data`` aliases, which leaves the counters alone)
+    versions: list[int] = field(default_factory=list)
+    requires_grad: list[bool] = field(default_factory=list)  # the stand-ins' flags, as last set
     #: small layouts (:data:`FLAT_GRADS_MAX_NUMEL`): the fp32 gradients' flat buffer and its views, one a parameter
+    #: (kept on the masters as their ``.grad`` from step to step)
     flat: Optional[Tensor] = None
     views: Optional[list[Tensor]] = None
+
+    def swap_in(self, optimizer: Optimizer) -> bool:
+        """The stand-ins and their state take the parameters' places: each param group's list is rewritten in place
+        (an optimizer may hold the list itself: LBFGS), the state dict swapped whole. ``False``: not possible here,
+        nothing done (a param group's list changed since, the state is not torch's dict, or the optimizer wraps
+        another whose state would have to follow)."""
+        if wrapped_optimizers(optimizer) or type(optimizer.state) is not defaultdict:
+            return False
+        for params, own, _ in self.groups:
+            if len(params) != len(own) or not all(map(operator.is_, params, own)):
+                return False
+        for params, _, stepped in self.groups:
+            params[:] = stepped
+        optimizer.state = self.mirror.standins_keyed(optimizer.state)
+        return True
+
+    def swap_out(self, optimizer: Optimizer) -> None:
+        for params, own, _ in self.groups:
+            params[:] = own
+        optimizer.state = self.mirror.params_keyed(optimizer.state)
 
 
 class FP32MasterWeights(MasterWeights):
@@ -739,6 +854,8 @@ class FP32MasterWeights(MasterWeights):
         )
 
     def to_(self, device: torch.device) -> None:
+        for entry in self._entries.values():
+            cast(nn.Parameter, entry.held).grad = None  # (the planned steps' gradient views: their buffer goes too)
         super().to_(device)
         self._layouts = weakref.WeakKeyDictionary()  # (their aliases and flat gradient buffers stay where they were)
 
@@ -769,9 +886,10 @@ class FP32MasterWeights(MasterWeights):
         return layout
 
     def _make_layout(self, optimizer: Optimizer) -> Optional[_Layout]:
-        half, entries, records, others = [], [], [], []
+        half, entries, records, others, groups = [], [], [], [], []
         for group in optimizer.param_groups:
             params = group["params"]
+            stepped = list(params)
             for i, param in enumerate(params):
                 if not (isinstance(param, Tensor) and param.dtype in _HALF):
                     others.append(param)
@@ -781,6 +899,8 @@ class FP32MasterWeights(MasterWeights):
                 half.append(param)
                 entries.append(entry)
                 records.append(StepRecord(params, i, param, held))
+                stepped[i] = held
+            groups.append((params, list(params), stepped))
         devices = {p.device for p in half}
         if len(devices) != 1 or any(type(p) not in (Tensor, nn.Parameter) or p.layout is not torch.strided
                                     for p in half):
@@ -790,48 +910,76 @@ class FP32MasterWeights(MasterWeights):
         if total <= FLAT_GRADS_MAX_NUMEL and all(p.is_contiguous() for p in half):  # (a view is contiguous)
             flat = torch.empty(total, dtype=torch.float32, device=device)
             views = [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in half]), half)]
+        standins = {id(r.standin): r.param for r in records}
         return _Layout(
             half=half, entries=entries, records=records, others=others, total=total, device=device,
             ptrs=[p.data_ptr() for p in half], dst=[p.data for p in half],
-            src=[cast(Tensor, e.held).data for e in entries],
-            standins={id(r.standin): r.param for r in records}, flat=flat, views=views,
+            src=[cast(Tensor, e.held).data for e in entries], standins=standins,
+            masters=[r.standin for r in records], groups=groups,
+            mirror=_StateMirror({id(r.param): r.standin for r in records}, standins),
+            versions=[e.stamp[1] for e in entries], flat=flat, views=views,
         )
 
     def _gather_planned(self, optimizer: Optimizer, check: bool) -> Optional[StepRecords]:
-        """:meth:`gather` where every half parameter of ``optimizer`` has a dense gradient (else ``None``)."""
+        """:meth:`gather` where every half parameter of ``optimizer`` has a dense gradient (else ``None``).
+
+        Its per-step work is a handful of passes over lists in C (the gradients, the version counters, the
+        stand-ins' gradients), one multi-tensor copy and check, and no Python a parameter."""
         layout = self._layout(optimizer)
         if layout is None:
             return None
-        half, entries = layout.half, layout.entries
-        maybe = [p.grad for p in half]
-        for grad in maybe:
-            if grad is None or type(grad) is not Tensor or grad.layout is not torch.strided:
-                return None
-        grads = cast(list[Tensor], maybe)  # (each checked above)
-        now = [stamp(p) for p in half]
-        if now != [e.stamp for e in entries]:
-            if [n[0] for n in now] != layout.ptrs:  # a storage replaced: aliases and layout made again
+        half = layout.half
+        grads = list(map(_GRAD, half))
+        missing: Optional[list[int]] = None  # parameters without a gradient (frozen, unused): not stepped
+        kinds = set(map(type, grads))
+        if kinds != _DENSE_TYPES:
+            if not kinds <= _DENSE_OR_NONE:
+                return None  # a gradient of a tensor subclass: the general path
+            missing = [i for i, grad in enumerate(grads) if grad is None]
+        have = grads if missing is None else [grad for grad in grads if grad is not None]
+        if have and set(map(_LAYOUT, have)) != _STRIDED:
+            return None  # a sparse gradient: the general path
+        versions = list(map(_VERSION, half))
+        if versions != layout.versions or list(map(Tensor.data_ptr, half)) != layout.ptrs:
+            if list(map(Tensor.data_ptr, half)) != layout.ptrs:  # a storage replaced: aliases and layout made again
                 self._layouts.pop(optimizer, None)
                 return None
             for param in half:
                 self._entry(param)  # written by someone else since our last write: derived again where it was
+            layout.versions = versions
+        requires_grad = list(map(_REQUIRES_GRAD, half))
+        if requires_grad != layout.requires_grad:
+            for master, flag in zip(layout.masters, requires_grad):
+                master.requires_grad_(flag)
+            layout.requires_grad = requires_grad
+        masters, views = layout.masters, layout.views
         with torch.no_grad():
-            # small layouts: the flat buffer's views, made once; else one allocation a gradient, freed after the step
-            g32 = layout.views if layout.views is not None else [
-                torch.empty_like(grad, dtype=torch.float32) for grad in grads
-            ]
-            torch._foreach_copy_(g32, grads)
-        for r, view, grad in zip(layout.records, g32, grads):
-            standin = r.standin
-            if standin.requires_grad is not r.param.requires_grad:
-                standin.requires_grad_(r.param.requires_grad)
-            standin.grad = view
-            r.grad_seen = (id(grad), grad._version)
-        self._standins.update(layout.standins)
-        out = StepRecords(optimizer, layout.records, layout=layout)
+            if missing is None:
+                # small layouts: the flat buffer's views, made once; else one allocation a gradient, freed after the
+                # step
+                g32 = views if views is not None else [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
+                torch._foreach_copy_(g32, grads)
+                if views is None or not all(map(operator.is_, map(_GRAD, masters), g32)):
+                    for master, g in zip(masters, g32):  # (the views stay on the masters from step to step)
+                        master.grad = g
+            else:
+                if views is not None:  # what the flat buffer holds for them is not checked: zeros
+                    torch._foreach_zero_([views[i] for i in missing])
+                stepped = [i for i, grad in enumerate(grads) if grad is not None]
+                g32 = [views[i] if views is not None else torch.empty_like(grads[i], dtype=torch.float32)
+                       for i in stepped]
+                if stepped:
+                    torch._foreach_copy_(g32, have)
+                for i in missing:
+                    masters[i].grad = None
+                for i, g in zip(stepped, g32):
+                    masters[i].grad = g
+        self._stepping[id(optimizer)] = layout.standins
+        seen = list(map(_VERSION, grads)) if missing is None else [g if g is None else g._version for g in grads]
+        out = StepRecords(optimizer, layout.records, layout=layout, unseen=(grads, seen))
         if check:
             checked = [layout.flat] if layout.flat is not None else list(g32)
-            numel = layout.total
+            numel = layout.total if layout.flat is not None or missing is None else sum(g.numel() for g in g32)
             for param in layout.others:
                 grad = getattr(param, "grad", None)
                 if grad is None:
@@ -854,13 +1002,12 @@ class FP32MasterWeights(MasterWeights):
             # whose gradient a hook dropped did not move either, and its weight is its rounding already)
             with torch.no_grad():
                 torch._foreach_copy_(layout.dst, layout.src)
-        for r in layout.records:
-            r.standin.grad = None
-        standins = self._standins
-        for key in layout.standins:
-            standins.pop(key, None)
-        for param, entry in zip(layout.half, layout.entries):
-            entry.stamp = stamp(param)
+        if layout.views is None:  # gradients allocated for this step: freed
+            for master in layout.masters:
+                master.grad = None
+        self._stepping.pop(id(records.optimizer), None)
+        # (the weights were written through ``.data`` aliases: their version counters, and so the entries' stamps,
+        # are unchanged)
 
     def _new_held(self, param: Tensor, original: Optional[Tensor]) -> Tensor:
         if original is not None:

@@ -20,12 +20,15 @@ def _layout_of(masters, optimizer):
 
 
 class Net(LightningModule):
-    def __init__(self, poison_at=(), write_at=(), new_group_at=None, fused=False):
+    def __init__(self, poison_at=(), write_at=(), new_group_at=None, fused=False, replace_state_at=(), reload_at=(),
+                 freeze=None):
         super().__init__()
         torch.manual_seed(0)
         self.body = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 4))
         self.late = nn.Linear(4, 4)
         self.poison_at, self.write_at, self.new_group_at = set(poison_at), set(write_at), new_group_at
+        self.replace_state_at, self.reload_at, self.freeze = set(replace_state_at), set(reload_at), freeze
+        self.state_dicts = []  # the optimizer's state dict object at each batch start (from the second)
         self.seen_layouts = []
         self.seen_flat = []  # whether the layout kept its fp32 gradients in a flat buffer
 
@@ -43,6 +46,18 @@ class Net(LightningModule):
                 self.body[0].weight.mul_(0.5)
         if self.new_group_at is not None and i == self.new_group_at:
             self.trainer.optimizers[0].add_param_group({"params": list(self.late.parameters())})
+        opt = self.trainer.optimizers[0]
+        if i > 0:
+            self.state_dicts.append(opt.state)
+            # between steps the state is keyed by the model's own parameters, as in fp32
+            assert {id(k) for k in opt.state} <= {id(p) for g in opt.param_groups for p in g["params"]}
+        if i in self.replace_state_at:  # a callback replaces a parameter's state (e.g. resets its moments)
+            weight = self.body[3].weight
+            opt.state[weight] = {k: v.clone() if k == "step" else v * 0.5 for k, v in opt.state[weight].items()}
+        if i in self.reload_at:  # the optimizer's state reloaded mid-run (a new state dict object)
+            opt.load_state_dict(opt.state_dict())
+        if self.freeze is not None and i in self.freeze:  # frozen, then unfrozen (a finetuning schedule)
+            self.body[0].requires_grad_(i == self.freeze[1])
 
     def on_before_optimizer_step(self, optimizer):
         masters = self.trainer.precision_plugin.masters
@@ -70,7 +85,8 @@ def _fit(monkeypatch, planned, steps=8, **kwargs):
                           enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(model)
     opt = trainer.optimizers[0]
-    state = [(k, v.clone()) for p in opt.state for k, v in opt.state[p].items()]
+    # by parameter index (the order of ``opt.state`` is its insertion order, which the two paths may make differently)
+    state = {(i, k): v.clone() for i, s in opt.state_dict()["state"].items() for k, v in s.items()}
     masters = {n: t.clone() for n, t in plugin.masters.state_dict()["masters"].items()}
     return model, plugin, state, masters
 
@@ -83,8 +99,12 @@ def _fit(monkeypatch, planned, steps=8, **kwargs):
         {"write_at": (3,)},
         {"new_group_at": 4},
         {"poison_at": (1,), "write_at": (1, 6), "new_group_at": 3},
+        {"replace_state_at": (3,), "reload_at": (5,)},
+        {"freeze": (2, 5)},
+        {"poison_at": (1,), "freeze": (2, 5)},  # the frozen layer's last gradient was NaN: it must not be checked
     ],
-    ids=["plain", "skipped-steps", "written-weights", "add-param-group", "all"],
+    ids=["plain", "skipped-steps", "written-weights", "add-param-group", "all", "state-replaced", "frozen",
+         "frozen-after-a-skip"],
 )
 @pytest.mark.parametrize("flat", [True, False], ids=["flat-grads", "grads-a-step"])
 def test_planned_path_is_bit_identical_to_the_general_path(monkeypatch, case, flat):
@@ -99,8 +119,11 @@ def test_planned_path_is_bit_identical_to_the_general_path(monkeypatch, case, fl
     for (na, ta), (nb, tb) in zip(a.state_dict().items(), b.state_dict().items()):
         assert na == nb and ta.dtype == tb.dtype and torch.equal(ta, tb), na
     assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
-    assert len(sa) == len(sb) and all(ka == kb and torch.equal(x, y) for (ka, x), (kb, y) in zip(sa, sb))
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
     assert pa.stats.skipped_steps == pb.stats.skipped_steps == len(case.get("poison_at", ()))
+    # the optimizer keeps its state dict object from step to step (until something loads another)
+    reload_at = min(case.get("reload_at", (99,)))
+    assert all(d is a.state_dicts[0] for d in a.state_dicts[: reload_at - 1])
 
 
 def test_a_new_optimizer_over_the_same_parameters_gets_its_own_layout():
