@@ -801,6 +801,8 @@ class _Layout:
     #: each param group's params list, a copy of it, and the same with the stand-ins in the half parameters' places
     groups: list[tuple[list, list, list]]
     mirror: _StateMirror
+    #: whether the optimizer wraps others (SAM's ``base_optimizer``): their state follows key by key
+    wraps: bool
     #: the half parameters' version counters when the entries' stamps were last found equal to theirs (the masters
     #: write the weights through ``.data`` aliases, which leaves the counters alone)
     versions: list[int] = field(default_factory=list)
@@ -810,16 +812,23 @@ class _Layout:
     flat: Optional[Tensor] = None
     views: Optional[list[Tensor]] = None
 
+    def fits(self, optimizer: Optimizer) -> bool:
+        """Whether ``optimizer``'s param groups still hold the lists and parameters this layout was made for."""
+        groups = optimizer.param_groups
+        if len(groups) != len(self.groups):
+            return False
+        for group, (params, own, _) in zip(groups, self.groups):
+            if group["params"] is not params or len(params) != len(own) or not all(map(operator.is_, params, own)):
+                return False
+        return True
+
     def swap_in(self, optimizer: Optimizer) -> bool:
         """The stand-ins and their state take the parameters' places: each param group's list is rewritten in place
         (an optimizer may hold the list itself: LBFGS), the state dict swapped whole. ``False``: not possible here,
-        nothing done (a param group's list changed since, the state is not torch's dict, or the optimizer wraps
-        another whose state would have to follow)."""
-        if wrapped_optimizers(optimizer) or type(optimizer.state) is not defaultdict:
+        nothing done (a param group's list changed since the gather, the state is not torch's dict, or the optimizer
+        wraps another whose state would have to follow)."""
+        if self.wraps or type(optimizer.state) is not defaultdict or not self.fits(optimizer):
             return False
-        for params, own, _ in self.groups:
-            if len(params) != len(own) or not all(map(operator.is_, params, own)):
-                return False
         for params, _, stepped in self.groups:
             params[:] = stepped
         optimizer.state = self.mirror.standins_keyed(optimizer.state)
@@ -874,15 +883,19 @@ class FP32MasterWeights(MasterWeights):
         return out if out is not None else super().gather(optimizer, check=check, every=every)
 
     def _layout(self, optimizer: Optimizer) -> Optional[_Layout]:
+        kept = self._layouts.get(optimizer)
+        if kept is not None and kept[0][0] == self._generation:
+            layout = kept[1]
+            if layout is not None and layout.fits(optimizer):  # (no allocation: the common case)
+                return layout
         # what a layout stands on: every group's params list (the records swap inside them), the parameters in it
         # (held by the layout, so their ids stay theirs) and the entries' generation
         lists = [group["params"] for group in optimizer.param_groups]
         ids = (tuple(map(id, lists)), tuple(tuple(map(id, params)) for params in lists))
-        kept = self._layouts.get(optimizer)
-        if kept is not None and kept[0] == (ids, self._generation):
-            return kept[1]
+        if kept is not None and kept[0] == (self._generation, ids):
+            return kept[1]  # (not plannable: kept as long as a layout would be)
         layout = self._make_layout(optimizer)  # (entries it makes move the generation: keyed after)
-        self._layouts[optimizer] = ((ids, self._generation), layout)
+        self._layouts[optimizer] = ((self._generation, ids), layout)
         return layout
 
     def _make_layout(self, optimizer: Optimizer) -> Optional[_Layout]:
@@ -917,6 +930,7 @@ class FP32MasterWeights(MasterWeights):
             src=[cast(Tensor, e.held).data for e in entries], standins=standins,
             masters=[r.standin for r in records], groups=groups,
             mirror=_StateMirror({id(r.param): r.standin for r in records}, standins),
+            wraps=bool(wrapped_optimizers(optimizer)),
             versions=[e.stamp[1] for e in entries], flat=flat, views=views,
         )
 

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections import defaultdict
 from typing import Any, Optional
@@ -66,6 +67,10 @@ def one_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     optimizers take ``found_inf``."""
     if not flags:
         return torch.zeros((), device=device)
+    if len(flags) == 1:
+        flag = flags[0]
+        if flag.dim() == 0 and flag.dtype is torch.float32 and flag.device == device:
+            return flag  # (the common case: no dispatcher call)
     flat = [f.reshape(()).float().to(device, non_blocking=True) for f in flags]
     return flat[0] if len(flat) == 1 else torch.stack(flat).amax()
 
@@ -120,6 +125,10 @@ def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> d
 
 
 
+_GRAD = operator.attrgetter("grad")
+_NONE = type(None)
+
+
 class PlannedCheck:
     """The read-only inf/NaN check of one optimizer's gradients, planned from its parameters once.
 
@@ -160,9 +169,11 @@ class PlannedCheck:
     def found_inf(self, flag: torch.Tensor) -> Optional[dict[torch.device, torch.Tensor]]:
         """Set ``flag`` where a gradient is inf/NaN; ``None`` where a gradient is not what the plan expected (a sparse
         gradient of an ``nn.Embedding(sparse=True)``): the caller takes the general check."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return {}
+        grads = list(map(_GRAD, self.params))
+        if _NONE in set(map(type, grads)):  # (C passes: no Python a parameter in the common case)
+            grads = [g for g in grads if g is not None]
+            if not grads:
+                return {}
         first = grads[0]
         if (
             first.layout is not torch.strided or first.dtype != self.dtype or type(first) is not torch.Tensor
