@@ -20,7 +20,9 @@ time the thread was descheduled on a shared host does not count, a wait on the G
 a mode is the median over all its rounds' timed steps, with the interquartile range, from ``torch.utils.benchmark``'s
 ``Measurement``; ``ratio`` is Lightning's median over ours (above 1: ours is faster); ``paired ratio`` the median over
 rounds of the round's Lightning figure over ours (with a figure a round, on a GPU: what a host whose speed drifts
-between rounds still resolves).
+between rounds still resolves). ``--per-step`` times every step on a GPU too (its wall interval, no sync) and adds
+the 20th percentile of all steps: where a shared host's speed also moves within a round, the fast steps of both
+modes, run on the same host minutes apart, are what still compares.
 
 Run from the repository root::
 
@@ -59,6 +61,7 @@ class Timer(Callback):
 
     def __init__(self, warmup: int, cuda: bool) -> None:
         self.warmup, self.cuda, self.marks, self.cpu_marks, self.thread_marks = warmup, cuda, [], [], []
+        self.step_marks: list[float] = []  # every timed step's start, no sync (``--per-step``)
         self.steps = 0
 
     def _mark(self) -> None:
@@ -68,6 +71,7 @@ class Timer(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx >= self.warmup:
             self.thread_marks.append(time.thread_time())
+            self.step_marks.append(time.perf_counter())
         if batch_idx == self.warmup and self.cuda:
             torch.cuda.synchronize()
             self._mark()
@@ -80,9 +84,11 @@ class Timer(Callback):
             torch.cuda.synchronize()
         self._mark()
 
-    def times(self, cpu: bool = False, thread: bool = False) -> list[float]:
+    def times(self, cpu: bool = False, thread: bool = False, per_step: bool = False) -> list[float]:
         if thread:  # every step: the main thread's CPU time (no sync per step on a GPU)
             return [b - a for a, b in zip(self.thread_marks, self.thread_marks[1:])]
+        if per_step:  # every step's wall interval, no sync (the last step's ends where training ends)
+            return [b - a for a, b in zip(self.step_marks, self.step_marks[1:])]
         marks = self.cpu_marks if cpu else self.marks
         if self.cuda:  # one figure per round: its mean step
             return [(marks[-1] - marks[0]) / self.steps] if len(marks) == 2 else []
@@ -149,7 +155,7 @@ def run_round(mode: str, model: nn.Module, batches: list, args, accelerator: str
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[timer], **kwargs)
     trainer.fit(Lit(model, batches, args.model, accelerator == "gpu"))
-    return timer.times(cpu=args.cpu_time, thread=args.thread_time)
+    return timer.times(cpu=args.cpu_time, thread=args.thread_time, per_step=args.per_step)
 
 
 def measurement(name: str, times: list[float]) -> Measurement:
@@ -173,6 +179,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                    help="time each step by the main thread's CPU time (a figure a step, also on a GPU: where the "
                         "host is shared, time the thread spent descheduled does not count; waits on the GPU do, as "
                         "spinning)")
+    p.add_argument("--per-step", action="store_true",
+                   help="on a GPU: every step's wall interval (no sync per step; in a steady state the host's or the "
+                        "GPU's pace, whichever binds) instead of one mean a round; also prints the 20th percentile "
+                        "of the steps, which a host whose speed moves within a round (a shared machine) still "
+                        "resolves, and the paired ratio of the rounds' medians")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--json", default=None, help="also write the raw figures to this JSON file")
     args = p.parse_args(argv)
@@ -195,27 +206,41 @@ def main(argv: Optional[list[str]] = None) -> None:
     models = {m: build(args.model, device) for m in modes}
     batches = make_batches(args.model, args.warmup + args.steps)
     times: dict[str, list[float]] = {m: [] for m in modes}
+    by_round: dict[str, list[list[float]]] = {m: [] for m in modes}  # each round's figures
     for r in range(args.rounds):
         order = modes[r % len(modes):] + modes[:r % len(modes)]
         for mode in order:
-            times[mode] += run_round(mode, models[mode], batches, args, accelerator)
+            figures = run_round(mode, models[mode], batches, args, accelerator)
+            times[mode] += figures
+            by_round[mode].append(figures)
     device_name = torch.cuda.get_device_name() if accelerator == "gpu" else platform.processor() or "CPU"
     print(f"\n{args.model} on {device_name}, torch {torch.__version__}, {args.rounds} rounds x {args.steps} steps, "
-          f"{'main-thread CPU' if args.thread_time else 'process CPU' if args.cpu_time else 'wall'} time, "
-          f"{args.threads} thread(s)")
-    print("| mode | Lightning ms (IQR) | MPPlugin ms (IQR) | ratio (Lightning / ours) | paired ratio |")
-    print("|---|---|---|---|---|")
+          f"{'main-thread CPU' if args.thread_time else 'process CPU' if args.cpu_time else 'wall'} time"
+          f"{' of every step' if args.per_step else ''}, {args.threads} thread(s)")
+    print("| mode | Lightning ms (IQR) | MPPlugin ms (IQR) | ratio (Lightning / ours) | paired ratio |"
+          + (" Lightning / ours p20 ms | p20 ratio |" if args.per_step else ""))
+    print("|---|---|---|---|---|" + ("---|---|" if args.per_step else ""))
     rows = []
     for lit, ours in pairs:
         a, b = measurement(lit, times[f"lightning-{lit}"]), measurement(ours, times[f"mp-{ours}"])
         ratio = a.median / b.median
         # the same round's figures side by side (run minutes apart at most): a host whose speed drifts between
         # rounds moves both alike; the median of these ratios is what a noisy machine still resolves
-        paired = statistics.median(x / y for x, y in zip(times[f"lightning-{lit}"], times[f"mp-{ours}"]))
-        rows.append({"lightning": lit, "ours": ours, "lightning_ms": a.median * 1e3, "lightning_iqr_ms": a.iqr * 1e3,
-                     "ours_ms": b.median * 1e3, "ours_iqr_ms": b.iqr * 1e3, "ratio": ratio, "paired_ratio": paired})
-        print(f"| {lit} / {ours} | {a.median * 1e3:.3f} ({a.iqr * 1e3:.3f}) | {b.median * 1e3:.3f} "
-              f"({b.iqr * 1e3:.3f}) | {ratio:.3f} | {paired:.3f} |")
+        # (a figure a round: the rounds' figures; several: the rounds' medians)
+        paired = statistics.median(
+            statistics.median(x) / statistics.median(y)
+            for x, y in zip(by_round[f"lightning-{lit}"], by_round[f"mp-{ours}"]) if x and y
+        )
+        row = {"lightning": lit, "ours": ours, "lightning_ms": a.median * 1e3, "lightning_iqr_ms": a.iqr * 1e3,
+               "ours_ms": b.median * 1e3, "ours_iqr_ms": b.iqr * 1e3, "ratio": ratio, "paired_ratio": paired}
+        line = (f"| {lit} / {ours} | {a.median * 1e3:.3f} ({a.iqr * 1e3:.3f}) | {b.median * 1e3:.3f} "
+                f"({b.iqr * 1e3:.3f}) | {ratio:.3f} | {paired:.3f} |")
+        if args.per_step:
+            low = [statistics.quantiles(times[m], n=5)[0] for m in (f"lightning-{lit}", f"mp-{ours}")]
+            row.update(lightning_p20_ms=low[0] * 1e3, ours_p20_ms=low[1] * 1e3, p20_ratio=low[0] / low[1])
+            line += f" {low[0] * 1e3:.3f} / {low[1] * 1e3:.3f} | {low[0] / low[1]:.3f} |"
+        rows.append(row)
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__, "model": args.model, "rows": rows,
