@@ -251,13 +251,15 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
 
     @override
     def convert_input(self, data: Any) -> Any:
-        dtype = self.mode.param_dtype if self.mode is not None else None
+        mode = self._run.mode  # (read once: these run on every step)
+        dtype = mode.param_dtype if mode is not None else None
         return data if dtype is None else apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=dtype)
 
     # ------------------------------------------------------------------ forward
     @override
     def autocast_context_manager(self) -> Any:
-        dtype = self.mode.autocast_dtype if self.mode is not None else None
+        mode = self._run.mode
+        dtype = mode.autocast_dtype if mode is not None else None
         # no weight-cast cache: in manual optimization the optimizer steps inside this context
         if dtype is None:
             return contextlib.nullcontext()
@@ -265,14 +267,16 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
 
     @override
     def forward_context(self) -> Any:
-        dtype = self.mode.param_dtype if self.mode is not None else None
+        mode = self._run.mode
+        dtype = mode.param_dtype if mode is not None else None
         # true-half: tensors made in forward match the half weights, as Lightning's HalfPrecision
         return _DtypeContextManager(dtype) if dtype is not None else self.autocast_context_manager()
 
     def _step_context(self, training: bool) -> Any:
-        if self._fp8 is None or self.mode is None or not self.mode.fp8:
+        run = self._run
+        if run.fp8 is None or run.mode is None or not run.mode.fp8:
             return self.forward_context()
-        return _entered(self.forward_context(), self._fp8.autocast(training=training))
+        return _entered(self.forward_context(), run.fp8.autocast(training=training))
 
     @override
     def train_step_context(self) -> Any:

@@ -157,7 +157,7 @@ class OptimizerSteps:
         # fp32 sums of micro-batches: only where Lightning owns zero_grad (automatic optimization)
         self._carry_sums = self.masters is not None and module is not None and module.automatic_optimization
         self._overlap.remove()
-        scaler = self.scaler
+        scaler = self._scaler
         if scaler is not None and not scaler.scaling and not scaler.sharded and self.masters is None:
             # a large model's check runs beside its backward (the L2 norm: the spike guard's figure too)
             self._overlap.install(optimizers, norm=2.0 if self.spike is not None else math.inf)
@@ -204,7 +204,7 @@ class OptimizerSteps:
                 self._sums.reset()
             self._loss = None
             self.buffers.drop()
-        if self.scaler is not None and module is not None and not self.buffers.taken:
+        if self._scaler is not None and module is not None and not self.buffers.taken:
             self.buffers.take(module, optimizers)
 
 
@@ -279,7 +279,7 @@ class OptimizerSteps:
         verdict as ``found_inf`` and skips on the device (no host sync). ``_GENERAL``: everything else
         (:meth:`prepare` and :meth:`_step`).
         """
-        optimizer, scaler = state.optimizer, self.scaler
+        optimizer, scaler = state.optimizer, self._scaler
         if evaluates_closure(optimizer):
             plan = _CLOSURE
         elif (
@@ -313,7 +313,7 @@ class OptimizerSteps:
     ) -> Any:
         """The check-only plans: stages 1–8 with nothing to gather, unscale, reduce or join."""
         closure()
-        scaler = self.scaler
+        scaler = self._scaler
         assert scaler is not None  # the check-only plans have one (_plan)
         state.stage, state.dirty = Stage.PREPARED, True
         try:
@@ -373,7 +373,7 @@ class OptimizerSteps:
             return
         # (STEPPED: manual optimization steps this optimizer again in one training step; the loss scale still
         # moves once, when the batch ends, so both steps unscale by the scale their backward used)
-        scaler = self.scaler
+        scaler = self._scaler
         check_only = scaler is not None and not scaler.scaling
         if self.masters is not None:
             # check-only modes: the gather's one pass over the gradients also finds inf/NaN (unless the spike guard's
@@ -422,7 +422,7 @@ class OptimizerSteps:
         """Clipping by value is about to clamp: an inf must be seen before it becomes a finite number."""
         self.prepare(optimizer)
         state = self._state(optimizer)
-        if state.dirty and self.scaler is not None:
+        if state.dirty and self._scaler is not None:
             with self._standing_in(state):
                 self._check(optimizer, state)
 
@@ -445,7 +445,7 @@ class OptimizerSteps:
 
     def _check(self, optimizer: Optimizer, state: _OptimizerState) -> None:
         """The read-only pass over the gradients the optimizer will apply (inside :meth:`_standing_in`)."""
-        scaler = self.scaler
+        scaler = self._scaler
         assert scaler is not None  # every caller has one
         if scaler.verdicts.stage(optimizer) is OptState.READY:
             scaler.unscale_(optimizer)  # the guard's read-only check (a loss scaler unscaled in prepare already)
@@ -486,7 +486,7 @@ class OptimizerSteps:
         return self._hooks_write
 
     def _step(self, optimizer: Optimizer, state: _OptimizerState, model: LightningModule, **kwargs: Any) -> Any:
-        scaler = self.scaler
+        scaler = self._scaler
         records = state.records
         if scaler is None:
             with self._standing_in(state):
@@ -547,7 +547,7 @@ class OptimizerSteps:
         spike against this optimizer's own window; it joins the skip verdict. Returns (spike, the inf/NaN verdict
         alone, the gradient norm, the loss judged: what backward ran on since the last step, or, where no backward
         ran since (two optimizers stepped from one backward), that backward's loss)."""
-        scaler = self.scaler
+        scaler = self._scaler
         assert scaler is not None and self.spike is not None  # called from _step with both
         inf_only = scaler.verdicts.of(optimizer)
         if inf_only is None:
@@ -591,7 +591,7 @@ class OptimizerSteps:
         model's half weights take the stand-ins' values (e.g. SAM's perturbed point), after it the stand-ins take the
         half gradients in fp32.
         """
-        scaler = self.scaler
+        scaler = self._scaler
         if scaler is not None and scaler.scaling:
             raise MisconfigurationException(
                 f"MPPlugin: {type(optimizer).__name__} evaluates its closure inside step(), which cannot be combined"
@@ -664,8 +664,8 @@ class OptimizerSteps:
     # ------------------------------------------------------------------ after the step
     def _update_scale(self) -> None:
         verdicts, self._batch_verdicts = self._batch_verdicts, []
-        if self.scaler is not None and verdicts:
-            self.scaler.update_from(verdicts)
+        if self._scaler is not None and verdicts:
+            self._scaler.update_from(verdicts)
 
     def skipped_for(self, optimizer: Optional[Optimizer]) -> bool:
         """Whether ``optimizer``'s last step was skipped (reads the device only when the host does not know)."""
@@ -681,7 +681,7 @@ class OptimizerSteps:
             return
         trainer = getattr(model, "_trainer", None)
         step = trainer.global_step if trainer is not None else "?"
-        scaler = self.scaler
+        scaler = self._scaler
         scale = scaler.get_scale() if scaler is not None and scaler.scaling else None
         advice = (
             "the loss scale is at its floor: check the model for values that overflow fp16, or use precision='bf16'"

@@ -126,6 +126,7 @@ def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> d
 
 
 _GRAD = operator.attrgetter("grad")
+_PARAMS = operator.itemgetter("params")
 _NONE = type(None)
 
 
@@ -150,7 +151,7 @@ class PlannedCheck:
 
     @staticmethod
     def count_of(optimizer: torch.optim.Optimizer) -> int:
-        return sum(len(group["params"]) for group in optimizer.param_groups)
+        return sum(map(len, map(_PARAMS, optimizer.param_groups)))
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer) -> Optional["PlannedCheck"]:
