@@ -266,8 +266,7 @@ class MasterWeights:
         self._entries: dict[int, _Entry] = {}  # id(half param) -> entry
         self._names: dict[int, str] = {}  # id(half param) -> name in the module (checkpoints)
         self._hooked: set[int] = set()  # optimizers whose state loading keeps fp32
-        self._standins: dict[int, Tensor] = {}  # id(stand-in) -> half param, while a step runs
-        #: the same for the planned steps under way: id(optimizer) -> its layout's (id(stand-in) -> half param)
+        #: the steps under way (gathered, not written back): id(optimizer) -> (id(stand-in) -> half param)
         self._stepping: dict[int, dict[int, Tensor]] = {}
         self.dtype: Optional[torch.dtype] = None
         #: changes whenever an entry is made or dropped (a layout made before is stale)
@@ -396,6 +395,8 @@ class MasterWeights:
         pass (not for sparse gradients, DTensors or several devices: ``found`` stays ``None``).
         """
         out = StepRecords(optimizer)
+        standins: dict[int, Tensor] = {}
+        self._stepping[id(optimizer)] = standins
         dst: list[Tensor] = []  # fp32 gradients to fill from half ones, in one multi-tensor copy
         src: list[Tensor] = []
         checked: dict[torch.dtype, list[Tensor]] = {}  # what the step applies, for check=True
@@ -432,7 +433,7 @@ class MasterWeights:
                     entry.acc = None
                     standin.grad = g32
                     out.records.append(StepRecord(params, i, param, standin, _grad_stamp(param)))
-                    self._standins[id(standin)] = param
+                    standins[id(standin)] = param
                     if check:
                         if type(g32) is not Tensor or g32.is_sparse:
                             check = False
@@ -545,9 +546,9 @@ class MasterWeights:
         if skipped is not True and todo:
             with torch.no_grad():
                 self._write(todo, None if skipped is False else found_inf)
+        self._stepping.pop(id(records.optimizer), None)
         for r in records.records:
             r.standin.grad = None
-            self._standins.pop(id(r.standin), None)
             entry = self._entries.get(id(r.param))
             if entry is not None:
                 entry.stamp = stamp(r.param)
@@ -575,15 +576,12 @@ class MasterWeights:
 
     def param_of(self, tensor: Tensor) -> Optional[Tensor]:
         """The model parameter an fp32 stand-in stands for (inside a step), or ``tensor`` if it is one of ours."""
-        param = self._standins.get(id(tensor))
-        if param is None:
-            for standins in self._stepping.values():  # planned steps under way
-                param = standins.get(id(tensor))
-                if param is not None:
-                    return param
-            entry = self._entries.get(id(tensor))
-            param = entry.param if entry is not None and entry.param is tensor else None
-        return param
+        for standins in self._stepping.values():  # the steps under way
+            param = standins.get(id(tensor))
+            if param is not None:
+                return param
+        entry = self._entries.get(id(tensor))
+        return entry.param if entry is not None and entry.param is tensor else None
 
     def tensors(self) -> list[Tensor]:
         """The tensors held besides the model's own weights (masters or compensation buffers)."""
@@ -744,12 +742,9 @@ class _StateMirror:
     def standins_keyed(self, own: defaultdict) -> defaultdict:
         """The state to step the stand-ins with, for the optimizer's state ``own``."""
         alt = self._alt
-        if own is not self._own or alt is None or len(own) != len(self._values) \
-                or list(map(id, own.values())) != self._values or list(map(id, own)) != self._keys:
-            alt = self._alt = defaultdict(dict)
-            standin_of = self._standin_of
-            for key, value in own.items():
-                alt[standin_of.get(id(key), key)] = value
+        if own is not self._own or alt is None or list(map(id, own.values())) != self._values \
+                or list(map(id, own)) != self._keys:
+            alt = self._alt = _rekeyed(defaultdict(dict), own, self._standin_of)
             self._own = own
             self._note(own)
         return alt
@@ -757,20 +752,24 @@ class _StateMirror:
     def params_keyed(self, alt: defaultdict) -> defaultdict:
         """The optimizer's own state after a step that used ``alt`` (its entries follow where the step changed them)."""
         own = self._own
-        if alt is not self._alt or own is None or len(alt) != len(self._values) \
-                or list(map(id, alt.values())) != self._values:
+        if alt is not self._alt or own is None or list(map(id, alt.values())) != self._values:
             if own is None or alt is not self._alt:
-                own = self._own = defaultdict(dict)
+                own = defaultdict(dict)
             own.clear()  # (the same object: whoever holds the optimizer's state dict keeps it)
-            param_of = self._param_of
-            for key, value in alt.items():
-                own[param_of.get(id(key), key)] = value
+            self._own = _rekeyed(own, alt, self._param_of)
             self._alt = alt
             self._note(own)
         return own
 
     def _note(self, own: dict) -> None:
         self._keys, self._values = list(map(id, own)), list(map(id, own.values()))
+
+
+def _rekeyed(into: defaultdict, state: dict, keys: dict[int, Tensor]) -> defaultdict:
+    """``into`` filled with ``state``'s entries, each under ``keys[id(key)]`` where there is one (else its own key)."""
+    for key, value in state.items():
+        into[keys.get(id(key), key)] = value
+    return into
 
 
 _GRAD = operator.attrgetter("grad")
@@ -953,11 +952,11 @@ class FP32MasterWeights(MasterWeights):
         have = grads if missing is None else [grad for grad in grads if grad is not None]
         if have and set(map(_LAYOUT, have)) != _STRIDED:
             return None  # a sparse gradient: the general path
+        if list(map(Tensor.data_ptr, half)) != layout.ptrs:  # a storage replaced: aliases and layout made again
+            self._layouts.pop(optimizer, None)
+            return None
         versions = list(map(_VERSION, half))
-        if versions != layout.versions or list(map(Tensor.data_ptr, half)) != layout.ptrs:
-            if list(map(Tensor.data_ptr, half)) != layout.ptrs:  # a storage replaced: aliases and layout made again
-                self._layouts.pop(optimizer, None)
-                return None
+        if versions != layout.versions:
             for param in half:
                 self._entry(param)  # written by someone else since our last write: derived again where it was
             layout.versions = versions
