@@ -240,7 +240,7 @@ class OptimizerSteps:
                 self._sums.start(self.masters.pending_sums())
 
     def after_backward(self, module: nn.Module) -> None:
-        if self._sums.started and grads_synced(module):
+        if self._carry_sums and self._sums.started and grads_synced(module):
             self._sums.wait()
 
     # ------------------------------------------------------------------ the step
