@@ -5,12 +5,12 @@ its counts are views of the plugin's (:class:`StatsCounts`)."""
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch import Tensor
 
-from lightning_mp._host import HostCopy
+from lightning_mp._host import HostCopy, HostRing
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -177,14 +177,22 @@ class OptimizerStats:
         self._last = False
         # outcomes on their way to the host, oldest first: host copies of device verdicts, or the host's answers
         # that came after one (the order of the steps is kept); the host never waits for one to record the next
-        self._pending: deque[Union[HostCopy, bool]] = deque()
+        # (a CUDA verdict travels through the ring, its slot standing in the queue; other verdicts as a HostCopy)
+        self._pending: deque[Union[HostCopy, bool, int]] = deque()
         self._pool: list[HostCopy] = []  # landed copies, reused (each holds a pinned buffer and an event)
+        self._ring: Optional[HostRing] = None  # made at the first CUDA verdict
 
     def record(self, skipped: Optional[bool], verdict: Optional[Tensor]) -> None:
         """One step ran: ``skipped`` when the host knows, else ``verdict`` (a device flag, non-zero: skipped)."""
         self._settle(wait=len(self._pending) >= _MAX_PENDING)
         self.steps += 1
         if skipped is None and verdict is not None:
+            ring = self._ring
+            if ring is None and verdict.is_cuda:
+                ring = self._ring = HostRing(verdict.device, 2 * _MAX_PENDING)
+            if ring is not None and ring.accepts(verdict):
+                self._pending.append(ring.push(verdict))  # (no event, no object a step)
+                return
             copy = self._pool.pop() if self._pool else HostCopy()
             copy.start(verdict)
             self._pending.append(copy)
@@ -203,13 +211,19 @@ class OptimizerStats:
         pending = self._pending
         while pending:
             item = pending[0]
-            if isinstance(item, bool):
+            if type(item) is bool:
                 self._apply(item)
+            elif type(item) is int:  # a slot of the ring
+                ring = cast(HostRing, self._ring)
+                if not wait and not ring.ready(item):
+                    return
+                self._apply(ring.take(item) != 0)
             else:
                 if not wait and not item.ready():
                     return
-                self._apply(bool(item.value() != 0))
-                self._pool.append(item)
+                copy = cast(HostCopy, item)
+                self._apply(bool(copy.value() != 0))
+                self._pool.append(copy)
             pending.popleft()
 
     def consecutive_known(self) -> Optional[int]:
@@ -252,6 +266,7 @@ class OptimizerStats:
                 )
             values[key] = value
         self._pending.clear()
+        self._ring = None  # (copies may still be landing in its slots)
         self.steps, self._skipped_steps, self._consecutive = (
             values["steps"], values["skipped_steps"], values["consecutive_skips"]
         )

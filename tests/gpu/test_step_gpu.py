@@ -351,3 +351,58 @@ def test_the_gpu_memory_is_freed_after_fit_as_with_lightning(master_weights):
     if master_weights == "fp32":
         moved = [n for n, p in model.named_parameters() if not torch.equal(plugin.masters.master_of(p), values[n])]
         assert moved  # the second fit stepped the masters
+
+
+def test_host_ring_returns_device_flags_in_order_without_events():
+    """The ring of pinned slots: values land in order, a slot is free again once taken, a NaN on the device is
+    waited out (it cannot mark a slot as landed), and what it does not take (other dtypes, a full ring) is refused."""
+    from lightning_mp._host import HostRing
+
+    ring = HostRing(torch.device("cuda"), 4)
+    values = [0.0, 1.0, float("nan"), 3.0]
+    slots = [ring.push(torch.tensor(v, device="cuda")) for v in values]
+    assert not ring.accepts(torch.zeros((), device="cuda"))  # full
+    assert not HostRing(torch.device("cuda"), 4).accepts(torch.zeros((), device="cuda", dtype=torch.bool))
+    torch.cuda.synchronize()
+    assert [ring.ready(i) for i in slots] == [True, True, False, True]
+    taken = [ring.take(i) for i in slots]
+    assert taken[:2] == [0.0, 1.0] and math.isnan(taken[2]) and taken[3] == 3.0
+    assert not any(ring.ready(i) for i in slots)  # freed: NaN again
+    big = torch.full((1 << 24,), 2.0, device="cuda")
+    for _ in range(20):  # queued behind a long kernel chain: not landed until the device gets there
+        big = big * 1.0
+    slot = ring.push(big.sum() / (1 << 24))
+    assert ring.take(slot) == 2.0  # waits for the device where the copy has not landed
+
+
+class EveryThird(BNNet):
+    """Every third batch poisoned: more device verdicts in flight over the run than the ring has slots."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        if self.global_step % 3 == 1:
+            x = x.clone()
+            x[0, 0] = float("nan")
+        return nn.functional.mse_loss(self.net(x).float(), y.float())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+
+    def loader(self):
+        g = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(640, 32, generator=g), torch.randn(640, 1, generator=g)),
+                          batch_size=16)
+
+    train_dataloader = loader
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16-true"])
+def test_skips_counted_from_device_verdicts_over_many_steps(mode):
+    """A fused optimizer's verdicts reach the host through the ring: 40 steps, every third skipped, counted exactly
+    (fp16 also backs its scale off on those steps), and no stop (never more than one skip in a row)."""
+    seed_everything(0)
+    plugin = MPPlugin(mode, max_consecutive_skips=2, **scaler_args(mode))
+    trainer(plugin, max_steps=40).fit(EveryThird())
+    assert plugin.stats.steps == 40
+    assert plugin.stats.skipped_steps == len([s for s in range(40) if s % 3 == 1])
+    assert plugin.stats.consecutive_skips == 0
