@@ -211,9 +211,9 @@ class OptimizerStats:
         pending = self._pending
         while pending:
             item = pending[0]
-            if type(item) is bool:
+            if isinstance(item, bool):
                 self._apply(item)
-            elif type(item) is int:  # a slot of the ring
+            elif isinstance(item, int):  # a slot of the ring
                 ring = cast(HostRing, self._ring)
                 if not wait and not ring.ready(item):
                     return
@@ -221,9 +221,8 @@ class OptimizerStats:
             else:
                 if not wait and not item.ready():
                     return
-                copy = cast(HostCopy, item)
-                self._apply(bool(copy.value() != 0))
-                self._pool.append(copy)
+                self._apply(bool(item.value() != 0))
+                self._pool.append(item)
             pending.popleft()
 
     def consecutive_known(self) -> Optional[int]:
