@@ -494,7 +494,10 @@ class OptimizerSteps:
             skipped: Optional[bool] = False
             verdict = None
         else:
-            with self._standing_in(state):  # one swap for the check and the step
+            # one swap for the check and the step (no context manager: this runs every step)
+            if records is not None:
+                MasterWeights.swap_in(records)
+            try:
                 if state.dirty:
                     self._check(optimizer, state)
                 if self.saturation is not None:
@@ -504,6 +507,9 @@ class OptimizerSteps:
                 spike = self._spike_verdict(optimizer, state) if self.spike is not None else None
                 scaler.last_skipped_host = None  # a fresh outcome
                 out = scaler.step(optimizer, **kwargs)
+            finally:
+                if records is not None:
+                    MasterWeights.swap_out(records)
             skipped = scaler.last_skipped_host
             verdict = scaler.verdicts.of(optimizer) if skipped is None else None  # (the host knows: no device flag)
         if records is not None:
@@ -738,4 +744,6 @@ def _release_grads(optimizer: Optimizer) -> None:
 def _as_flag(verdict: Optional[Tensor], scaler: StepGuard) -> Tensor:
     if verdict is None:
         return torch.zeros((), device=scaler.scale_device)
+    if verdict.dtype is torch.float32 and verdict.dim() == 0:
+        return verdict  # (the common case, a fused optimizer's found_inf: no dispatcher call)
     return verdict.reshape(()).float()
