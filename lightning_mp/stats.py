@@ -182,6 +182,14 @@ class OptimizerStats:
         self._pool: list[HostCopy] = []  # landed copies, reused (each holds a pinned buffer and an event)
         self._ring: Optional[HostRing] = None  # made at the first CUDA verdict
 
+    def __getstate__(self) -> dict[str, Any]:
+        # (a copy or a pickle takes the outcomes as they are now: copies still landing in this object's pinned
+        # slots would never reach the other one)
+        self._settle()
+        state = dict(self.__dict__)
+        state["_ring"], state["_pool"] = None, []
+        return state
+
     def record(self, skipped: Optional[bool], verdict: Optional[Tensor]) -> None:
         """One step ran: ``skipped`` when the host knows, else ``verdict`` (a device flag, non-zero: skipped)."""
         self._settle(wait=len(self._pending) >= _MAX_PENDING)

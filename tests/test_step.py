@@ -161,3 +161,22 @@ def test_the_planned_check_falls_back_where_gradients_are_not_as_planned():
     assert stats.skipped_steps == 2 and all(torch.equal(a, b) for a, b in zip(head_before, head.parameters()))
     step()
     assert stats.skipped_steps == 2 and not torch.equal(head_before[0], head.weight)
+
+
+def test_step_counters_copied_or_pickled_with_outcomes_on_their_way():
+    """A copy of the counters (deepcopy, pickle) takes the outcomes recorded so far, device verdicts still on their
+    way included; the original counts on unchanged."""
+    import copy
+    import pickle
+
+    from lightning_mp.stats import OptimizerStats
+
+    stats = OptimizerStats()
+    for flag in (1.0, 1.0, 0.0, 1.0):
+        stats.record(None, torch.tensor(flag))  # device verdicts (here CPU tensors): read later
+    stats.record(True, None)  # a host-known outcome after them
+    for other in (copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
+        assert (other.steps, other.skipped_steps, other.consecutive_skips) == (5, 4, 2)
+        other.record(None, torch.tensor(0.0))
+        assert (other.steps, other.skipped_steps, other.consecutive_skips) == (6, 4, 0)
+    assert (stats.steps, stats.skipped_steps, stats.consecutive_skips, stats.last_skipped) == (5, 4, 2, True)

@@ -406,3 +406,22 @@ def test_skips_counted_from_device_verdicts_over_many_steps(mode):
     assert plugin.stats.steps == 40
     assert plugin.stats.skipped_steps == len([s for s in range(40) if s % 3 == 1])
     assert plugin.stats.consecutive_skips == 0
+
+
+def test_step_counters_copied_with_device_verdicts_still_in_flight():
+    """A deepcopy or pickle of the counters while device verdicts are still on their way (queued behind a long kernel
+    chain) takes their outcomes: copies landing in the original's pinned slots never reach the copy's."""
+    import pickle
+
+    from lightning_mp.stats import OptimizerStats
+
+    stats = OptimizerStats()
+    big = torch.full((1 << 24,), 1.0, device="cuda")
+    for _ in range(40):
+        big = big * 1.0
+    zero = (big.sum() * 0).reshape(())  # 0.0, known only once the chain has run
+    for flag in (zero + 1, zero + 1, zero, zero + 1, zero):
+        stats.record(None, flag)
+    for other in (copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
+        assert (other.steps, other.skipped_steps, other.consecutive_skips) == (5, 3, 0)
+    assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (5, 3, 0)
