@@ -415,13 +415,23 @@ def test_step_counters_copied_with_device_verdicts_still_in_flight():
 
     from lightning_mp.stats import OptimizerStats
 
+
+    def flags() -> list[torch.Tensor]:
+        big = torch.full((1 << 26,), 1.0, device="cuda")
+        for _ in range(300):  # tens of milliseconds of device work queued
+            big = big * 1.0
+        zero = (big.sum() * 0).reshape(())  # 0.0, known only once the chain has run
+        return [zero + 1, zero + 1, zero, zero + 1, zero]
+
+    warm = OptimizerStats()  # (the kernels' first launches load them, which waits for the device: done once here)
+    for flag in flags():
+        warm.record(None, flag)
+    assert warm.skipped_steps == 3
+    torch.cuda.synchronize()
     stats = OptimizerStats()
-    big = torch.full((1 << 24,), 1.0, device="cuda")
-    for _ in range(40):
-        big = big * 1.0
-    zero = (big.sum() * 0).reshape(())  # 0.0, known only once the chain has run
-    for flag in (zero + 1, zero + 1, zero, zero + 1, zero):
+    for flag in flags():
         stats.record(None, flag)
+    assert len(stats._pending) == 5 and not stats._ring.ready(stats._pending[0])  # all still on their way
     for other in (copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
         assert (other.steps, other.skipped_steps, other.consecutive_skips) == (5, 3, 0)
     assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (5, 3, 0)
