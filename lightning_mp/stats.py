@@ -192,7 +192,9 @@ class OptimizerStats:
 
     def record(self, skipped: Optional[bool], verdict: Optional[Tensor]) -> None:
         """One step ran: ``skipped`` when the host knows, else ``verdict`` (a device flag, non-zero: skipped)."""
-        self._settle(wait=len(self._pending) >= _MAX_PENDING)
+        self._settle(wait=False)
+        if len(self._pending) >= _MAX_PENDING:  # (the oldest, long landed by now: no wait for the newest ones)
+            self._settle(down_to=_MAX_PENDING - 1)
         self.steps += 1
         if skipped is None and verdict is not None:
             ring = self._ring
@@ -214,10 +216,11 @@ class OptimizerStats:
         self._skipped_steps += int(skipped)
         self._consecutive = self._consecutive + 1 if skipped else 0
 
-    def _settle(self, wait: bool = True) -> None:
-        """Take the outcomes that have reached the host (``wait``: all of them, waiting for the copies)."""
+    def _settle(self, wait: bool = True, down_to: int = 0) -> None:
+        """Take the outcomes that have reached the host (``wait``: waiting for the copies, oldest first, until at most
+        ``down_to`` are left on their way)."""
         pending = self._pending
-        while pending:
+        while len(pending) > down_to:
             item = pending[0]
             if isinstance(item, bool):
                 self._apply(item)

@@ -180,3 +180,32 @@ def test_step_counters_copied_or_pickled_with_outcomes_on_their_way():
         other.record(None, torch.tensor(0.0))
         assert (other.steps, other.skipped_steps, other.consecutive_skips) == (6, 4, 0)
     assert (stats.steps, stats.skipped_steps, stats.consecutive_skips, stats.last_skipped) == (5, 4, 2, True)
+
+
+def test_step_counters_wait_for_the_oldest_outcome_only_when_too_many_are_on_their_way(monkeypatch):
+    """With no divergence stop reading the counters each step, device verdicts pile up: recording one more then
+    waits for the oldest alone (long landed), never for the newest (a wait for the whole device)."""
+    from lightning_mp import stats as stats_module
+
+    waited: list[float] = []
+
+    class NeverReady:  # a copy that has not landed until waited for
+        def start(self, tensor):
+            self.v = float(tensor)
+
+        def ready(self):
+            return False
+
+        def value(self):
+            waited.append(self.v)
+            return self.v
+
+    monkeypatch.setattr(stats_module, "HostCopy", NeverReady)
+    stats = stats_module.OptimizerStats()
+    flags = [float(i % 2) for i in range(12)]  # device verdicts 0, 1, 0, 1, ...
+    for flag in flags:
+        stats.record(None, torch.tensor(flag))
+    limit = stats_module._MAX_PENDING
+    assert waited == flags[: len(flags) - limit]  # the oldest ones, one a step once the queue was full
+    assert len(stats._pending) == limit
+    assert stats.skipped_steps == sum(flags) and waited == flags  # a figure read now waits for the rest
