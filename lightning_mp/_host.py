@@ -64,10 +64,10 @@ class HostRing:
         self._outstanding = 0
 
     def accepts(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` can travel this way (else :class:`HostCopy`): one fp32 element on this ring's device,
-        and a free slot."""
+        """Whether ``tensor`` can travel this way (else :class:`HostCopy`): a 0-dim fp32 tensor on this ring's device
+        (a verdict flag: no autograd history), and a free slot."""
         return (
-            tensor.dtype == torch.float32 and tensor.device == self.device and tensor.numel() == 1
+            tensor.dtype == torch.float32 and tensor.dim() == 0 and tensor.device == self.device
             and self._outstanding < len(self._slots)
         )
 
@@ -76,7 +76,7 @@ class HostRing:
         i = self._next
         self._next = (i + 1) % len(self._slots)
         self._outstanding += 1
-        self._slots[i].copy_(tensor.detach().reshape(()), non_blocking=True)
+        self._slots[i].copy_(tensor, non_blocking=True)
         return i
 
     def ready(self, i: int) -> bool:

@@ -64,7 +64,7 @@ from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mp._host import HostCopy
-from lightning_mp.verdict import FUSED_CHECK_MAX_NUMEL, check_tensors_, constant
+from lightning_mp.verdict import _GRAD, check_tensors_
 from lightning_mp.settings import MASTER_WEIGHT_KINDS, parse_master_weights  # noqa: F401 - (also here)
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -772,7 +772,6 @@ def _rekeyed(into: defaultdict, state: dict, keys: dict[int, Tensor]) -> default
     return into
 
 
-_GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _LAYOUT = operator.attrgetter("layout")
@@ -810,7 +809,6 @@ class _Layout:
     #: (kept on the masters as their ``.grad`` from step to step)
     flat: Optional[Tensor] = None
     views: Optional[list[Tensor]] = None
-    one: Optional[Tensor] = None  # the check kernel's scale of 1 on the layout's device
 
     def fits(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s param groups still hold the lists and parameters this layout was made for."""
@@ -861,40 +859,32 @@ class FP32MasterWeights(MasterWeights):
         self._layouts: "weakref.WeakKeyDictionary[Optimizer, tuple[tuple, Optional[_Layout]]]" = (
             weakref.WeakKeyDictionary()
         )
-        #: the last layout handed out, with its optimizer (weakly) and the entries' generation: the next step of
-        #: the same optimizer finds it without a weak-dictionary lookup
-        self._last: Optional[tuple[weakref.ref, int, _Layout]] = None
 
     def to_(self, device: torch.device) -> None:
         for entry in self._entries.values():
             cast(nn.Parameter, entry.held).grad = None  # (the planned steps' gradient views: their buffer goes too)
         super().to_(device)
         self._layouts = weakref.WeakKeyDictionary()  # (their aliases and flat gradient buffers stay where they were)
-        self._last = None
 
     def __getstate__(self) -> dict[str, Any]:
         # layouts are made again at the next step (they are keyed weakly by optimizer, which pickle cannot carry)
         state = dict(self.__dict__)
-        state["_layouts"] = state["_last"] = None
+        state["_layouts"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self._layouts, self._last = weakref.WeakKeyDictionary(), None
+        self._layouts = weakref.WeakKeyDictionary()
 
     def gather(self, optimizer: Optimizer, *, check: bool = False, every: bool = False) -> StepRecords:
         out = None if self._carrying else self._gather_planned(optimizer, check)
         return out if out is not None else super().gather(optimizer, check=check, every=every)
 
     def _layout(self, optimizer: Optimizer) -> Optional[_Layout]:
-        last = self._last
-        if last is not None and last[0]() is optimizer and last[1] == self._generation and last[2].fits(optimizer):
-            return last[2]  # (the common case: the same optimizer's next step)
         kept = self._layouts.get(optimizer)
         if kept is not None and kept[0][0] == self._generation:
             layout = kept[1]
-            if layout is not None and layout.fits(optimizer):  # (no allocation)
-                self._last = (weakref.ref(optimizer), self._generation, layout)
+            if layout is not None and layout.fits(optimizer):  # (no allocation: the common case)
                 return layout
         # what a layout stands on: every group's params list (the records swap inside them), the parameters in it
         # (held by the layout, so their ids stay theirs) and the entries' generation
@@ -904,8 +894,6 @@ class FP32MasterWeights(MasterWeights):
             return kept[1]  # (not plannable: kept as long as a layout would be)
         layout = self._make_layout(optimizer)  # (entries it makes move the generation: keyed after)
         self._layouts[optimizer] = ((self._generation, ids), layout)
-        if layout is not None:
-            self._last = (weakref.ref(optimizer), self._generation, layout)
         return layout
 
     def _make_layout(self, optimizer: Optimizer) -> Optional[_Layout]:
@@ -941,7 +929,7 @@ class FP32MasterWeights(MasterWeights):
             masters=[r.standin for r in records], groups=groups,
             mirror=_StateMirror({id(r.param): r.standin for r in records}, standins),
             wraps=bool(wrapped_optimizers(optimizer)),
-            versions=[e.stamp[1] for e in entries], flat=flat, views=views, one=constant(1.0, device),
+            versions=[e.stamp[1] for e in entries], flat=flat, views=views,
         )
 
     def _gather_planned(self, optimizer: Optimizer, check: bool) -> Optional[StepRecords]:
@@ -965,7 +953,6 @@ class FP32MasterWeights(MasterWeights):
             return None  # a sparse gradient: the general path
         if list(map(Tensor.data_ptr, half)) != layout.ptrs:  # a storage replaced: aliases and layout made again
             self._layouts.pop(optimizer, None)
-            self._last = None
             return None
         versions = list(map(_VERSION, half))
         if versions != layout.versions:
@@ -1014,11 +1001,8 @@ class FP32MasterWeights(MasterWeights):
                     return out  # not checked here: the general check runs (found stays None)
                 checked.append(grad)
                 numel += grad.numel()
-            found = out.found = torch.zeros((), dtype=torch.float32, device=layout.device)
-            if layout.others or numel > FUSED_CHECK_MAX_NUMEL:
-                check_tensors_({torch.float32: checked}, numel, found)
-            else:  # the fp32 gradients made here (no autograd history): check_tensors_'s kernel, called directly
-                torch._amp_foreach_non_finite_check_and_unscale_(checked, found, cast(Tensor, layout.one))
+            out.found = torch.zeros((), dtype=torch.float32, device=layout.device)
+            check_tensors_({torch.float32: checked}, numel, out.found)
         return out
 
     def write_back(self, records: StepRecords, *, skipped: Optional[bool], found_inf: Optional[Tensor] = None) -> None:

@@ -744,6 +744,4 @@ def _release_grads(optimizer: Optimizer) -> None:
 def _as_flag(verdict: Optional[Tensor], scaler: StepGuard) -> Tensor:
     if verdict is None:
         return torch.zeros((), device=scaler.scale_device)
-    if verdict.dtype is torch.float32 and verdict.dim() == 0:
-        return verdict  # (the common case, a fused optimizer's found_inf: no dispatcher call)
-    return verdict.reshape(()).float()
+    return checks.one_flag([verdict], verdict.device)  # (a fused optimizer's found_inf: itself, no dispatcher call)
