@@ -50,6 +50,7 @@ from torch.utils.benchmark.utils.common import Measurement, TaskSpec
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import fast_cores  # noqa: E402
 from lightning_mp import MPPlugin  # noqa: E402
 
 PAIRS = [("32-true", "fp32"), ("bf16-mixed", "bf16"), ("16-mixed", "fp16"), ("bf16-true", "bf16-true")]
@@ -186,7 +187,11 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "resolves, and the paired ratio of the rounds' medians")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     p.add_argument("--json", default=None, help="also write the raw figures to this JSON file")
+    p.add_argument("--fast-cores", type=int, default=0,
+                   help="probe every core and keep the process on the N fastest (see fast_cores.py; 0: not pinned)")
     args = p.parse_args(argv)
+    if args.fast_cores:
+        print(fast_cores.pin_fast_cores(args.fast_cores))
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
@@ -244,7 +249,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "torch": torch.__version__, "model": args.model, "rows": rows,
-                       "times_s": times}, f, indent=1)
+                       "fast_cores": args.fast_cores, "times_s": times}, f, indent=1)
 
 
 if __name__ == "__main__":

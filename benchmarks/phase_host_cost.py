@@ -41,6 +41,7 @@ from lightning.pytorch import Callback, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_host_cost as bhc  # noqa: E402
+import fast_cores  # noqa: E402
 
 from lightning_mp import master as _master  # noqa: E402
 from lightning_mp import stats as _stats  # noqa: E402
@@ -147,7 +148,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--fast-cores", type=int, default=0,
+                   help="probe every core and keep the process on the N fastest (see fast_cores.py; 0: not pinned)")
     args = p.parse_args(argv)
+    if args.fast_cores:
+        print(fast_cores.pin_fast_cores(args.fast_cores))
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
