@@ -151,8 +151,9 @@ def run_pair(lit: str, ours: str, args: Any, accelerator: str, ours_first: bool 
     ratios = [x / y for x, y in zip(a[:n], b[:n])]
     quart = statistics.quantiles(ratios, n=4)
     return {"lightning": lit, "ours": ours, "ours_first": ours_first, "pairs": n,
-            "lightning_ms": statistics.median(a) * 1e3, "ours_ms": statistics.median(b) * 1e3, "ratio": statistics.median(ratios),
-            "ratio_q1": quart[0], "ratio_q3": quart[2], "lightning_s": a, "ours_s": b}
+            "lightning_ms": statistics.median(a) * 1e3, "ours_ms": statistics.median(b) * 1e3,
+            "ratio": statistics.median(ratios), "ratio_q1": quart[0], "ratio_q3": quart[2],
+            "lightning_s": a, "ours_s": b}
 
 
 def main(argv: Optional[list[str]] = None) -> None:
