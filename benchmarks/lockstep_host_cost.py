@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import bench_host_cost as bhc  # noqa: E402
 import fast_cores  # noqa: E402
+import phase_host_cost as phc  # noqa: E402
 
 
 class Baton:
@@ -112,7 +113,8 @@ def run_pair(lit: str, ours: str, args: Any, accelerator: str, ours_first: bool 
     our step opens each pair)."""
     device = torch.device("cuda" if accelerator == "gpu" else "cpu")
     baton = Baton()
-    sides = [("lightning-" + lit, {"precision": lit}), ("mp-" + ours, {"plugins": [bhc.plugin(ours)]})]
+    name, *parts = ours.split("+")
+    sides = [("lightning-" + lit, {"precision": lit}), ("mp-" + ours, {"plugins": [bhc.plugin(name)]})]
     if args.same:  # the A/A check: Lightning's mode on both sides (the harness's own bias)
         sides[1] = ("lightning-" + lit, {"precision": lit})
     if ours_first:
@@ -134,14 +136,23 @@ def run_pair(lit: str, ours: str, args: Any, accelerator: str, ours_first: bool 
             baton.finish(i)
 
     batches = make_batches(args.model, args.warmup + args.steps + 1)
-    first = threading.Thread(target=fit, args=(0,))
-    first.start()
-    with baton.cond:  # the second side sets up while the first waits at its first batch
-        baton.cond.wait_for(lambda: baton.turn == 1 or baton.done[0])
-    second = threading.Thread(target=fit, args=(1,))
-    second.start()
-    first.join()
-    second.join()
+    undo = []
+    for part in parts:  # attribution switches (timing only): they change our code, which Lightning's side never runs
+        for owner, attribute, stand_in in phc.WITHOUT[part]:
+            undo.append((owner, attribute, getattr(owner, attribute)))
+            setattr(owner, attribute, stand_in)
+    try:
+        first = threading.Thread(target=fit, args=(0,))
+        first.start()
+        with baton.cond:  # the second side sets up while the first waits at its first batch
+            baton.cond.wait_for(lambda: baton.turn == 1 or baton.done[0])
+        second = threading.Thread(target=fit, args=(1,))
+        second.start()
+        first.join()
+        second.join()
+    finally:
+        for owner, attribute, old in reversed(undo):
+            setattr(owner, attribute, old)
     if errors:
         raise errors[0]
     a, b = timers[0].times, timers[1].times
@@ -156,6 +167,11 @@ def run_pair(lit: str, ours: str, args: Any, accelerator: str, ours_first: bool 
             "lightning_s": a, "ours_s": b}
 
 
+def _mode(spec: str) -> str:
+    """``bf16-true`` of ``bf16-true/master_weights=none+hostcopy``."""
+    return spec.split("+")[0].split("/")[0]
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", choices=["gpt", "mlp", "tiny"], default=None,
@@ -163,7 +179,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         "count as gpt but width 32, on the CPU: its step is nearly all host work, as gpt's on a GPU); "
                         "default: gpt on a GPU, mlp otherwise")
     p.add_argument("--pairs", default="bf16,fp16,bf16-true",
-                   help="our modes, each beside Lightning's (variants as in bench_host_cost.py)")
+                   help="our modes, each beside Lightning's (variants as in bench_host_cost.py; attribution switches "
+                        "as in phase_host_cost.py, e.g. bf16-true+hostcopy: timing only)")
     p.add_argument("--warmup", type=int, default=20, help="untimed steps per side (default 20)")
     p.add_argument("--steps", type=int, default=300, help="timed steps per side (default 300)")
     p.add_argument("--repeats", type=int, default=2,
@@ -184,13 +201,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     accelerator = "gpu" if cuda and args.model == "gpt" else "cpu"
     lightning = {ours: lit for lit, ours in bhc.PAIRS}
     wanted = args.pairs.split(",")
-    unknown = [w for w in wanted if w.split("/")[0] not in lightning]
+    unknown = [w for w in wanted if _mode(w) not in lightning
+               or any(part not in phc.WITHOUT for part in w.split("+")[1:])]
     if unknown:
         p.error(f"--pairs {unknown}: use our modes {sorted(lightning)}, optionally with /option=value variants")
     rows = []
     for repeat in range(args.repeats):
         for ours in wanted:
-            rows.append(run_pair(lightning[ours.split("/")[0]], ours, args, accelerator, ours_first=repeat % 2 == 1))
+            rows.append(run_pair(lightning[_mode(ours)], ours, args, accelerator, ours_first=repeat % 2 == 1))
     name = torch.cuda.get_device_name() if accelerator == "gpu" else "CPU"
     print(f"\n{args.model} on {name}, torch {torch.__version__}: lockstep pairs ({args.steps} timed steps a side)"
           + (" — A/A check: Lightning's mode on both sides" if args.same else ""))
@@ -205,7 +223,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     print("\n| Lightning / ours | paired ratio, both orders (geometric mean) | runs |\n|---|---|---|")
     for ours in wanted:
         mine = [row["ratio"] for row in rows if row["ours"] == ours]
-        print(f"| {lightning[ours.split('/')[0]]} / {ours} | {statistics.geometric_mean(mine):.3f} | {len(mine)} |")
+        print(f"| {lightning[_mode(ours)]} / {ours} | {statistics.geometric_mean(mine):.3f} | {len(mine)} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "torch": torch.__version__, "model": args.model, "rows": rows}, f, indent=1)
