@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor
@@ -47,47 +48,99 @@ class HostCopy:
         return self._host.item()
 
 
-class HostRing:
-    """One-element fp32 CUDA tensors copied to the host in order, without an event a copy.
+class _Batch:
+    """Pinned host memory for one batch of flags, read through ``ctypes`` (no torch call a read)."""
 
-    A ring of pinned slots, each holding NaN until its copy lands: ``push`` enqueues the copy into the next slot,
-    ``ready`` reads the slot (a landed value is never NaN, except where the device value was NaN itself, which
-    ``take`` then waits out), ``take`` returns the value (waiting for the device where it has not landed) and frees
-    the slot. Slots are taken in the order they were pushed; at most ``size`` are outstanding.
+    __slots__ = ("host", "slots", "values", "held", "sent", "left")
+
+    def __init__(self, size: int, pinned: bool) -> None:
+        self.host = torch.full((size,), math.nan, dtype=torch.float32, pin_memory=pinned)
+        self.slots = self.host.unbind()  # 0-dim views, made once
+        self.values = (ctypes.c_float * size).from_address(self.host.data_ptr())  # (kept alive by ``host``)
+        self.held: list[Tensor] = []  # the device flags pushed, not sent yet
+        self.sent = False
+        self.left = 0  # values sent and not taken yet
+
+
+class HostBatches:
+    """One-element fp32 CUDA tensors (verdict flags) copied to the host ``size`` at a time, without an event.
+
+    ``push`` holds the tensor (no device call); every ``size`` pushes, one stack and one copy take the batch into
+    pinned memory prefilled with NaN, so that the host reads a value without waiting and tells a landed one (a verdict
+    is 0 or 1) from one on its way. ``ready`` says whether a value has landed (never before its batch was sent);
+    ``take`` returns it, sending its batch early where it has not gone yet and waiting for the device where the copy
+    has not landed (a NaN on the device itself is waited out, then returned). Values are taken in the order they were
+    pushed. A batch of one copies each flag as it comes. What a flag holds when its batch goes is what is read: the
+    flags pushed are final (a step's verdict, recorded after its step). (On the CPU the copies are immediate: the
+    counters' tests run the same logic there.)
     """
 
     def __init__(self, device: torch.device, size: int) -> None:
-        self.device = device
-        host = torch.full((size,), math.nan, dtype=torch.float32, pin_memory=True)
-        self._slots = list(host.unbind())  # 0-dim views, made once
-        self._next = 0
-        self._outstanding = 0
+        if size < 1:
+            raise ValueError(f"HostBatches size={size!r} is invalid: use an integer >= 1.")
+        self.device, self.size = device, size
+        self._open: Optional[_Batch] = None
+        self._spare: list[_Batch] = []
 
     def accepts(self, tensor: Tensor) -> bool:
-        """Whether ``tensor`` can travel this way (else :class:`HostCopy`): a 0-dim fp32 tensor on this ring's device
-        (a verdict flag: no autograd history), and a free slot."""
-        return (
-            tensor.dtype == torch.float32 and tensor.dim() == 0 and tensor.device == self.device
-            and self._outstanding < len(self._slots)
-        )
+        """Whether ``tensor`` can travel this way (else :class:`HostCopy`): a 0-dim fp32 tensor on this device."""
+        return tensor.dtype == torch.float32 and tensor.dim() == 0 and tensor.device == self.device
 
-    def push(self, tensor: Tensor) -> int:
-        """Enqueue the copy of ``tensor`` (see :meth:`accepts`); returns its slot."""
-        i = self._next
-        self._next = (i + 1) % len(self._slots)
-        self._outstanding += 1
-        self._slots[i].copy_(tensor, non_blocking=True)
-        return i
+    def push(self, tensor: Tensor) -> tuple[_Batch, int]:
+        """Hold ``tensor`` (see :meth:`accepts`) for its batch's copy; returns where its value will be."""
+        batch = self._open
+        if batch is None:
+            batch = self._open = self._spare.pop() if self._spare else _Batch(self.size, self.device.type == "cuda")
+        held = batch.held
+        held.append(tensor)
+        if len(held) == self.size:
+            self._send()
+        return batch, len(held) - 1
 
-    def ready(self, i: int) -> bool:
-        return not math.isnan(self._slots[i].item())
+    def _send(self) -> None:
+        batch = cast(_Batch, self._open)
+        self._open = None
+        held, batch.held = batch.held, []
+        if len(held) == 1:
+            batch.slots[0].copy_(held[0], non_blocking=True)
+        else:  # (the stacked copy is freed after the copy is enqueued: the stream's order keeps it until then)
+            batch.host[: len(held)].copy_(torch.stack(held), non_blocking=True)
+        batch.sent, batch.left = True, len(held)
 
-    def take(self, i: int) -> float:
-        slot = self._slots[i]
-        value = slot.item()
-        if math.isnan(value):
+    def ready(self, entry: tuple[_Batch, int]) -> bool:
+        batch, i = entry
+        return batch.sent and not math.isnan(batch.values[i])
+
+    def take(self, entry: tuple[_Batch, int]) -> float:
+        batch, i = entry
+        if not batch.sent:  # (the open batch: the ones before it have gone)
+            self._send()
+        value = batch.values[i]
+        if math.isnan(value) and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # not landed yet (or NaN on the device): the copy is done after this
-            value = slot.item()
-        slot.fill_(math.nan)
-        self._outstanding -= 1
+            value = batch.values[i]
+        batch.left -= 1
+        if batch.left == 0:  # every value read: the copy has landed; the buffer is free again
+            batch.host.fill_(math.nan)
+            batch.sent = False
+            self._spare.append(batch)
         return value
+
+
+class ZeroFlags:
+    """Zeroed 0-dim fp32 flags (a step's inf/NaN verdict), made ``size`` at a time: one allocation and fill for
+    ``size`` steps where a step would make its own. A flag is handed out once and never zeroed again, so whatever
+    keeps one (the counters, a spike guard's window) keeps its value."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._device: Optional[torch.device] = None
+        self._free: list[Tensor] = []
+
+    def take(self, device: torch.device) -> Tensor:
+        free = self._free
+        if not free or device != self._device:
+            self._device = device
+            free = self._free = list(torch.zeros(self.size, dtype=torch.float32, device=device).unbind())
+            free.reverse()
+        return free.pop()

@@ -63,7 +63,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_mp._host import HostCopy
+from lightning_mp._host import HostCopy, ZeroFlags
 from lightning_mp.verdict import _GRAD, check_tensors_
 from lightning_mp.settings import MASTER_WEIGHT_KINDS, parse_master_weights  # noqa: F401 - (also here)
 
@@ -859,6 +859,7 @@ class FP32MasterWeights(MasterWeights):
         self._layouts: "weakref.WeakKeyDictionary[Optimizer, tuple[tuple, Optional[_Layout]]]" = (
             weakref.WeakKeyDictionary()
         )
+        self._flags = ZeroFlags()  # the planned gather's verdict flags
 
     def to_(self, device: torch.device) -> None:
         for entry in self._entries.values():
@@ -869,12 +870,13 @@ class FP32MasterWeights(MasterWeights):
     def __getstate__(self) -> dict[str, Any]:
         # layouts are made again at the next step (they are keyed weakly by optimizer, which pickle cannot carry)
         state = dict(self.__dict__)
-        state["_layouts"] = None
+        state["_layouts"], state["_flags"] = None, None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._layouts = weakref.WeakKeyDictionary()
+        self._flags = ZeroFlags()
 
     def gather(self, optimizer: Optimizer, *, check: bool = False, every: bool = False) -> StepRecords:
         out = None if self._carrying else self._gather_planned(optimizer, check)
@@ -1001,7 +1003,7 @@ class FP32MasterWeights(MasterWeights):
                     return out  # not checked here: the general check runs (found stays None)
                 checked.append(grad)
                 numel += grad.numel()
-            out.found = torch.zeros((), dtype=torch.float32, device=layout.device)
+            out.found = self._flags.take(layout.device)
             check_tensors_({torch.float32: checked}, numel, out.found)
         return out
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional, Union, cast
 import torch
 from torch import Tensor
 
-from lightning_mp._host import HostCopy, HostRing
+from lightning_mp._host import HostBatches, HostCopy
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -158,12 +158,16 @@ class StatsCounts:
         pass  # the plugin's stats load their own per-optimizer entries
 
 
-#: device verdicts on their way to the host before recording another waits for the oldest (long landed by then)
+#: device verdicts on their way to the host (beyond a batch not sent yet) before recording another waits for the
+#: oldest (long landed by then)
 _MAX_PENDING = 8
 
 
 class OptimizerStats:
-    """One optimizer's step counters. Verdicts only the device knows (fused optimizers) are read a step late.
+    """One optimizer's step counters. Verdicts only the device knows (fused optimizers) are read late: a CUDA verdict
+    goes to the host with the others of its batch of ``verdict_batch`` steps (one copy a batch), so the counters
+    without a wait (the divergence stop) see it up to that many steps late; a figure read (``skipped_steps``) is
+    exact.
 
     Example::
 
@@ -177,31 +181,34 @@ class OptimizerStats:
         self._last = False
         # outcomes on their way to the host, oldest first: host copies of device verdicts, or the host's answers
         # that came after one (the order of the steps is kept); the host never waits for one to record the next
-        # (a CUDA verdict travels through the ring, its slot standing in the queue; other verdicts as a HostCopy)
-        self._pending: deque[Union[HostCopy, bool, int]] = deque()
+        # (a CUDA verdict travels in a batch, its place standing in the queue; other verdicts as a HostCopy)
+        self._pending: deque[Union[HostCopy, bool, tuple]] = deque()
         self._pool: list[HostCopy] = []  # landed copies, reused (each holds a pinned buffer and an event)
-        self._ring: Optional[HostRing] = None  # made at the first CUDA verdict
+        self._batches: Optional[HostBatches] = None  # made at the first CUDA verdict
+        #: CUDA verdicts sent to the host together (set by the step from ``max_consecutive_skips``)
+        self.verdict_batch = 1
 
     def __getstate__(self) -> dict[str, Any]:
         # (a copy or a pickle takes the outcomes as they are now: copies still landing in this object's pinned
         # slots would never reach the other one)
         self._settle()
         state = dict(self.__dict__)
-        state["_ring"], state["_pool"] = None, []
+        state["_batches"], state["_pool"] = None, []
         return state
 
     def record(self, skipped: Optional[bool], verdict: Optional[Tensor]) -> None:
         """One step ran: ``skipped`` when the host knows, else ``verdict`` (a device flag, non-zero: skipped)."""
         self._settle(wait=False)
-        if len(self._pending) >= _MAX_PENDING:  # (the oldest, long landed by now: no wait for the newest ones)
-            self._settle(down_to=_MAX_PENDING - 1)
+        limit = _MAX_PENDING + self.verdict_batch - 1
+        if len(self._pending) >= limit:  # (the oldest, long landed by now: no wait for the newest ones)
+            self._settle(down_to=limit - 1)
         self.steps += 1
         if skipped is None and verdict is not None:
-            ring = self._ring
-            if ring is None and verdict.is_cuda:
-                ring = self._ring = HostRing(verdict.device, 2 * _MAX_PENDING)
-            if ring is not None and ring.accepts(verdict):
-                self._pending.append(ring.push(verdict))  # (no event, no object a step)
+            batches = self._batches
+            if batches is None and verdict.is_cuda:
+                batches = self._batches = HostBatches(verdict.device, self.verdict_batch)
+            if batches is not None and batches.accepts(verdict):
+                self._pending.append(batches.push(verdict))  # (no device call, no event a step)
                 return
             copy = self._pool.pop() if self._pool else HostCopy()
             copy.start(verdict)
@@ -224,11 +231,11 @@ class OptimizerStats:
             item = pending[0]
             if isinstance(item, bool):
                 self._apply(item)
-            elif isinstance(item, int):  # a slot of the ring
-                ring = cast(HostRing, self._ring)
-                if not wait and not ring.ready(item):
+            elif isinstance(item, tuple):  # a place in a batch
+                batches = cast(HostBatches, self._batches)
+                if not wait and not batches.ready(item):
                     return
-                self._apply(ring.take(item) != 0)
+                self._apply(batches.take(item) != 0)
             else:
                 if not wait and not item.ready():
                     return
@@ -276,7 +283,7 @@ class OptimizerStats:
                 )
             values[key] = value
         self._pending.clear()
-        self._ring = None  # (copies may still be landing in its slots)
+        self._batches = None  # (copies may still be landing in its buffers)
         self.steps, self._skipped_steps, self._consecutive = (
             values["steps"], values["skipped_steps"], values["consecutive_skips"]
         )

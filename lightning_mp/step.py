@@ -48,6 +48,7 @@ from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 
+from lightning_mp._host import ZeroFlags
 from lightning_mp.buffers import BufferSnapshot
 from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.master import MasterWeights, StepRecords, wrapped_optimizers
@@ -61,6 +62,8 @@ from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
 
 #: the plans of an optimizer's steps (see ``OptimizerSteps._plan``)
 _CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL = "check-only", "check-only fused", "closure", "general"
+#: a fused optimizer's device verdicts sent to the step counters in one copy (see ``OptimizerStats``)
+_VERDICT_BATCH = 8
 
 
 class Stage(enum.Enum):
@@ -131,6 +134,7 @@ class OptimizerSteps:
         self._module: Optional[LightningModule] = None
         self._trainer: Any = None
         self._overlap = OverlappedCheck()
+        self._flags = ZeroFlags()  # the check-only plans' verdict flags
 
     @property
     def scaler(self) -> Optional[StepGuard]:
@@ -145,7 +149,7 @@ class OptimizerSteps:
     # ------------------------------------------------------------------ set-up
     def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
         """Start a run with these optimizers (a new ``fit``; earlier records are dropped)."""
-        self._optimizers = {id(opt): _OptimizerState(i, opt) for i, opt in enumerate(optimizers)}
+        self._optimizers = {id(opt): self._new_state(i, opt) for i, opt in enumerate(optimizers)}
         self.stats.set_optimizers([opt_state.stats for opt_state in self._optimizers.values()])
         self._batch_verdicts = []
         self.buffers.drop()
@@ -184,10 +188,18 @@ class OptimizerSteps:
     def _accumulating(self) -> bool:
         return self._accumulate() > 1
 
+    def _new_state(self, index: int, optimizer: Optimizer) -> _OptimizerState:
+        state = _OptimizerState(index, optimizer)
+        # device verdicts reach the counters a batch at a time (one copy a batch): the divergence stop then fires up
+        # to a batch late, so the batch is a quarter of its limit at most (none: the stop fires as it did)
+        limit = self.max_consecutive_skips
+        state.stats.verdict_batch = _VERDICT_BATCH if limit is None else max(1, min(_VERDICT_BATCH, limit // 4))
+        return state
+
     def _state(self, optimizer: Optimizer) -> _OptimizerState:
         state = self._optimizers.get(id(optimizer))
         if state is None:  # an optimizer made outside configure_optimizers: give it a record too
-            state = self._optimizers[id(optimizer)] = _OptimizerState(len(self._optimizers), optimizer)
+            state = self._optimizers[id(optimizer)] = self._new_state(len(self._optimizers), optimizer)
             self.stats.set_optimizers([s.stats for s in self._optimizers.values()])
         return state
 
@@ -321,7 +333,7 @@ class OptimizerSteps:
             torch_state = scaler._per_optimizer_states.get(id(optimizer))
             if torch_state is None or torch_state["stage"] is OptState.READY:
                 # (a flag the host read as 0 last step is 0 still: reused, no allocation)
-                flag = state.clean_flag if state.clean_flag is not None else torch.zeros((), device=scaler.scale_device)
+                flag = state.clean_flag if state.clean_flag is not None else self._flags.take(scaler.scale_device)
                 state.clean_flag = None
                 check = state.check
                 if check is not None and check.count != checks.PlannedCheck.count_of(optimizer):  # add_param_group

@@ -209,3 +209,51 @@ def test_step_counters_wait_for_the_oldest_outcome_only_when_too_many_are_on_the
     assert waited == flags[: len(flags) - limit]  # the oldest ones, one a step once the queue was full
     assert len(stats._pending) == limit
     assert stats.skipped_steps == sum(flags) and waited == flags  # a figure read now waits for the rest
+
+
+def test_device_verdicts_reach_the_counters_a_batch_at_a_time():
+    """Verdicts sent to the host a batch at a time (one copy a batch; on the CPU the same logic with immediate copies):
+    the counters read without waiting (the divergence stop) see a batch once it has gone, a figure read now sends the
+    open batch early and is exact, a copy of the counters takes what is still held, and buffers are reused."""
+    import copy
+    import pickle
+
+    from lightning_mp._host import HostBatches
+    from lightning_mp.stats import OptimizerStats
+
+    batches = HostBatches(torch.device("cpu"), 4)
+    entries = [batches.push(torch.tensor(v)) for v in (0.0, 1.0, 1.0)]
+    assert not any(batches.ready(e) for e in entries)  # held, not sent: a batch goes when full
+    entries.append(batches.push(torch.tensor(1.0)))
+    assert all(batches.ready(e) for e in entries)
+    assert [batches.take(e) for e in entries] == [0.0, 1.0, 1.0, 1.0]
+    assert not batches.ready(entries[0])  # every value taken: the buffer is free (NaN) and reused
+    late = batches.push(torch.tensor(1.0))
+    assert late[0] is entries[0][0] and not batches.ready(late)
+    assert batches.take(late) == 1.0  # the open batch is sent early where a value is needed now
+    with pytest.raises(ValueError, match="size=0"):
+        HostBatches(torch.device("cpu"), 0)
+
+    stats = OptimizerStats()
+    stats.verdict_batch = 4
+    stats._batches = HostBatches(torch.device("cpu"), 4)  # (made at the first CUDA verdict on a GPU)
+    flags = [1.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    for flag in flags:
+        stats.record(None, torch.tensor(flag))
+    assert stats.consecutive_known() == 0  # the first batch went: 1, 1, 1, 0 — the last two are held
+    assert len(stats._pending) == 2
+    for other in (copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
+        assert (other.steps, other.skipped_steps, other.consecutive_skips) == (6, 5, 2)
+    assert (stats.steps, stats.skipped_steps, stats.consecutive_skips, stats.last_skipped) == (6, 5, 2, True)
+
+
+@pytest.mark.parametrize("limit, batch", [(None, 8), (100, 8), (12, 3), (3, 1), (1, 1)])
+def test_verdict_batch_follows_the_divergence_limit(limit, batch):
+    """The divergence stop sees device verdicts up to a batch late: the batch is at most a quarter of its limit."""
+    steps, _ = _steps(max_consecutive_skips=limit)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps.connect(model, [opt])
+    assert steps._state(opt).stats.verdict_batch == batch
+    late = torch.optim.SGD(model.parameters(), lr=0.1)  # an optimizer made outside configure_optimizers
+    assert steps._state(late).stats.verdict_batch == batch

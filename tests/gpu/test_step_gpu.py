@@ -353,30 +353,34 @@ def test_the_gpu_memory_is_freed_after_fit_as_with_lightning(master_weights):
         assert moved  # the second fit stepped the masters
 
 
-def test_host_ring_returns_device_flags_in_order_without_events():
-    """The ring of pinned slots: values land in order, a slot is free again once taken, a NaN on the device is
-    waited out (it cannot mark a slot as landed), and what it does not take (other dtypes, a full ring) is refused."""
-    from lightning_mp._host import HostRing
+def test_host_batches_return_device_flags_in_order_without_events():
+    """Device flags sent to pinned memory a batch at a time: values land in order, a batch not sent yet is never
+    ready (sent early where a value is needed now), a NaN on the device is waited out (it cannot mark a value as
+    landed), buffers are reused once read, and a copy behind a long kernel chain is waited for."""
+    from lightning_mp._host import HostBatches
 
-    ring = HostRing(torch.device("cuda"), 4)
+    batches = HostBatches(torch.device("cuda"), 4)
+    assert not batches.accepts(torch.zeros((), device="cuda", dtype=torch.bool))
     values = [0.0, 1.0, float("nan"), 3.0]
-    slots = [ring.push(torch.tensor(v, device="cuda")) for v in values]
-    assert not ring.accepts(torch.zeros((), device="cuda"))  # full
-    assert not HostRing(torch.device("cuda"), 4).accepts(torch.zeros((), device="cuda", dtype=torch.bool))
+    entries = [batches.push(torch.tensor(v, device="cuda")) for v in values[:3]]
     torch.cuda.synchronize()
-    assert [ring.ready(i) for i in slots] == [True, True, False, True]
-    taken = [ring.take(i) for i in slots]
+    assert not any(batches.ready(e) for e in entries)  # held: the batch goes when full
+    entries.append(batches.push(torch.tensor(values[3], device="cuda")))
+    torch.cuda.synchronize()
+    assert [batches.ready(e) for e in entries] == [True, True, False, True]
+    taken = [batches.take(e) for e in entries]
     assert taken[:2] == [0.0, 1.0] and math.isnan(taken[2]) and taken[3] == 3.0
-    assert not any(ring.ready(i) for i in slots)  # freed: NaN again
+    assert not any(batches.ready(e) for e in entries)  # read: NaN again, reused
     big = torch.full((1 << 24,), 2.0, device="cuda")
     for _ in range(20):  # queued behind a long kernel chain: not landed until the device gets there
         big = big * 1.0
-    slot = ring.push(big.sum() / (1 << 24))
-    assert ring.take(slot) == 2.0  # waits for the device where the copy has not landed
+    late = batches.push(big.sum() / (1 << 24))
+    assert late[0] is entries[0][0]
+    assert batches.take(late) == 2.0  # sent early, then waited for where the copy has not landed
 
 
 class EveryThird(BNNet):
-    """Every third batch poisoned: more device verdicts in flight over the run than the ring has slots."""
+    """Every third batch poisoned: many device verdicts in flight over the run, in batches."""
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -396,12 +400,14 @@ class EveryThird(BNNet):
     train_dataloader = loader
 
 
+@pytest.mark.parametrize("limit", [2, None])
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16-true"])
-def test_skips_counted_from_device_verdicts_over_many_steps(mode):
-    """A fused optimizer's verdicts reach the host through the ring: 40 steps, every third skipped, counted exactly
-    (fp16 also backs its scale off on those steps), and no stop (never more than one skip in a row)."""
+def test_skips_counted_from_device_verdicts_over_many_steps(mode, limit):
+    """A fused optimizer's verdicts reach the host a batch at a time (a batch of one with a divergence limit of 2, of
+    eight without a limit): 40 steps, every third skipped, counted exactly (fp16 also backs its scale off on those
+    steps), and no stop (never more than one skip in a row)."""
     seed_everything(0)
-    plugin = MPPlugin(mode, max_consecutive_skips=2, **scaler_args(mode))
+    plugin = MPPlugin(mode, max_consecutive_skips=limit, **scaler_args(mode))
     trainer(plugin, max_steps=40).fit(EveryThird())
     assert plugin.stats.steps == 40
     assert plugin.stats.skipped_steps == len([s for s in range(40) if s % 3 == 1])
@@ -428,10 +434,30 @@ def test_step_counters_copied_with_device_verdicts_still_in_flight():
         warm.record(None, flag)
     assert warm.skipped_steps == 3
     torch.cuda.synchronize()
-    stats = OptimizerStats()
-    for flag in flags():
-        stats.record(None, flag)
-    assert len(stats._pending) == 5 and not stats._ring.ready(stats._pending[0])  # all still on their way
-    for other in (copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
-        assert (other.steps, other.skipped_steps, other.consecutive_skips) == (5, 3, 0)
-    assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (5, 3, 0)
+    for batch in (1, 8):  # sent one by one, or still held in a batch not sent
+        stats = OptimizerStats()
+        stats.verdict_batch = batch
+        for flag in flags():
+            stats.record(None, flag)
+        assert len(stats._pending) == 5 and not stats._batches.ready(stats._pending[0])  # all still on their way
+        for other in (copy.deepcopy(stats), pickle.loads(pickle.dumps(stats))):
+            assert (other.steps, other.skipped_steps, other.consecutive_skips) == (5, 3, 0)
+        assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (5, 3, 0)
+
+
+def test_divergence_stop_fires_within_a_verdict_batch_of_its_limit():
+    """Every step poisoned, fused optimizer: the stop reads device verdicts that come a batch at a time (a quarter of
+    the limit: 2 for a limit of 8), so it fires at most that many steps after the limit, never before it."""
+    seed_everything(0)
+
+    class AlwaysNaN(EveryThird):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            x = x.clone()
+            x[0, 0] = float("nan")
+            return nn.functional.mse_loss(self.net(x).float(), y.float())
+
+    plugin = MPPlugin("bf16", max_consecutive_skips=8)
+    with pytest.raises(NonFiniteTrainingError, match="max_consecutive_skips=8"):
+        trainer(plugin, max_steps=40).fit(AlwaysNaN())
+    assert 8 <= plugin.stats.steps <= 8 + 2 + 1
