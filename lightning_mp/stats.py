@@ -196,6 +196,12 @@ class OptimizerStats:
         state["_batches"], state["_pool"] = None, []
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.pop("_ring", None)  # (counters pickled before verdicts travelled in batches)
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_batches", None)
+        self.__dict__.setdefault("verdict_batch", 1)
+
     def record(self, skipped: Optional[bool], verdict: Optional[Tensor]) -> None:
         """One step ran: ``skipped`` when the host knows, else ``verdict`` (a device flag, non-zero: skipped)."""
         self._settle(wait=False)

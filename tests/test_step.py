@@ -257,3 +257,22 @@ def test_verdict_batch_follows_the_divergence_limit(limit, batch):
     assert steps._state(opt).stats.verdict_batch == batch
     late = torch.optim.SGD(model.parameters(), lr=0.1)  # an optimizer made outside configure_optimizers
     assert steps._state(late).stats.verdict_batch == batch
+
+
+def test_step_counters_pickled_before_verdict_batches_still_load():
+    """Counters pickled by the release that sent a verdict a step (a ``_ring`` attribute, no batch size) load and
+    count on."""
+    import pickle
+
+    from lightning_mp.stats import OptimizerStats
+
+    stats = OptimizerStats()
+    stats.record(True, None)
+    old = dict(stats.__dict__)
+    del old["_batches"], old["verdict_batch"]
+    old["_ring"] = None
+    restored = OptimizerStats.__new__(OptimizerStats)
+    restored.__setstate__(old)
+    restored.record(None, torch.tensor(1.0))
+    assert (restored.steps, restored.skipped_steps, restored.consecutive_skips) == (2, 2, 2)
+    assert pickle.loads(pickle.dumps(restored)).skipped_steps == 2
