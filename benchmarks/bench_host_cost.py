@@ -117,19 +117,30 @@ class Lit(LightningModule):
 
 
 def build(kind: str, device: torch.device) -> nn.Module:
+    """``mlp``, ``gpt`` (the small GPT), or ``tiny``: a GPT of the same depth and parameter count as ``gpt`` but
+    width 32, whose step on the CPU is nearly all host work, as ``gpt``'s on a GPU."""
     torch.manual_seed(0)
     if kind == "mlp":
         return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
     import bench_overhead as bo
 
-    return bo.GPT(32768, 512, 4, 8, 512)
+    return bo.GPT(256, 32, 4, 4, 16) if kind == "tiny" else bo.GPT(32768, 512, 4, 8, 512)
 
 
 def make_batches(kind: str, n: int) -> list:
     g = torch.Generator().manual_seed(1)
     if kind == "mlp":
         return [(torch.randn(32, 32, generator=g), torch.randn(32, 1, generator=g)) for _ in range(n)]
+    if kind == "tiny":
+        return [torch.randint(0, 256, (2, 17), generator=g) for _ in range(n)]
     return [torch.randint(0, 32768, (8, 513), generator=g) for _ in range(n)]
+
+
+def quiet(threads: int = 1) -> None:
+    """A benchmark process: ``threads`` torch threads, Lightning's routine warnings and messages off."""
+    torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
 
 
 def plugin(spec: str) -> MPPlugin:
@@ -192,9 +203,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.fast_cores:
         print(fast_cores.pin_fast_cores(args.fast_cores))
-    torch.set_num_threads(args.threads)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    quiet(args.threads)
     cuda = torch.cuda.is_available()
     args.model = args.model or ("gpt" if cuda else "mlp")
     accelerator = "gpu" if cuda and args.model == "gpt" else "cpu"

@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import sys
 import threading
 import time
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -92,22 +90,6 @@ class Lockstep(Callback):
         self.baton.finish(self.me)
 
 
-def build(kind: str, device: torch.device) -> torch.nn.Module:
-    if kind != "tiny":
-        return bhc.build(kind, device if kind == "gpt" else torch.device("cpu"))
-    import bench_overhead as bo
-
-    torch.manual_seed(0)
-    return bo.GPT(256, 32, 4, 4, 16)
-
-
-def make_batches(kind: str, n: int) -> list:
-    if kind != "tiny":
-        return bhc.make_batches(kind, n)
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (2, 17), generator=g) for _ in range(n)]
-
-
 def run_pair(lit: str, ours: str, args: Any, accelerator: str, ours_first: bool = False) -> dict[str, Any]:
     """Lightning's ``lit`` and our ``ours`` in lockstep for ``args.warmup + args.steps`` steps each (``ours_first``:
     our step opens each pair)."""
@@ -128,20 +110,15 @@ def run_pair(lit: str, ours: str, args: Any, accelerator: str, ours_first: bool 
             trainer = Trainer(accelerator=accelerator, devices=1, max_steps=args.warmup + args.steps, logger=False,
                               enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                               callbacks=[timers[i]], **kwargs)
-            model = build(args.model, device)
-            kind = "gpt" if args.model == "tiny" else args.model
-            trainer.fit(bhc.Lit(model, batches, kind, accelerator == "gpu" or args.model == "tiny"))
+            model = bhc.build(args.model, device)
+            trainer.fit(bhc.Lit(model, batches, args.model, accelerator == "gpu" or args.model == "tiny"))
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
             errors.append(err)
             baton.finish(i)
 
-    batches = make_batches(args.model, args.warmup + args.steps + 1)
-    undo = []
-    for part in parts:  # attribution switches (timing only): they change our code, which Lightning's side never runs
-        for owner, attribute, stand_in in phc.WITHOUT[part]:
-            undo.append((owner, attribute, getattr(owner, attribute)))
-            setattr(owner, attribute, stand_in)
-    try:
+    batches = bhc.make_batches(args.model, args.warmup + args.steps + 1)
+    # (attribution switches, timing only: they change our code, which Lightning's side never runs)
+    with phc.without(parts):
         first = threading.Thread(target=fit, args=(0,))
         first.start()
         with baton.cond:  # the second side sets up while the first waits at its first batch
@@ -150,9 +127,6 @@ def run_pair(lit: str, ours: str, args: Any, accelerator: str, ours_first: bool 
         second.start()
         first.join()
         second.join()
-    finally:
-        for owner, attribute, old in reversed(undo):
-            setattr(owner, attribute, old)
     if errors:
         raise errors[0]
     a, b = timers[0].times, timers[1].times
@@ -193,9 +167,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = p.parse_args(argv)
     if args.cores:
         print(fast_cores.pin_fast_cores(args.cores))
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    bhc.quiet()
     cuda = torch.cuda.is_available()
     args.model = args.model or ("gpt" if cuda else "mlp")
     accelerator = "gpu" if cuda and args.model == "gpt" else "cpu"

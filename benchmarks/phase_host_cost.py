@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-import logging
+import contextlib
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from lightning.pytorch import Callback, Trainer
@@ -98,38 +97,45 @@ class Marked(bhc.Lit):
         self.marks.mark("optstep_out")
 
 
-def _no_ring_copy(self: Any, skipped: Any, verdict: Any) -> None:
+def _no_host_copy(self: Any, skipped: Any, verdict: Any) -> None:
     self.steps += 1  # (the counters no longer see the device's verdicts)
 
 
 #: attribution switches: (owner, attribute, stand-in)
 WITHOUT: dict[str, list[tuple[Any, str, Callable[..., Any]]]] = {
-    "hostcopy": [(_stats.OptimizerStats, "record", _no_ring_copy)],
+    "hostcopy": [(_stats.OptimizerStats, "record", _no_host_copy)],
     "check": [(torch, "_amp_foreach_non_finite_check_and_unscale_", lambda *args: None)],
     "writeback": [(_master.FP32MasterWeights, "write_back", lambda self, records, **kwargs: None)],
     "release": [(_step, "_release_grads", lambda optimizer: None)],
 }
 
 
+@contextlib.contextmanager
+def without(parts: list[str]) -> Iterator[None]:
+    """Inside: the named parts of our step are switched off (:data:`WITHOUT`; timing only)."""
+    undo = []
+    try:
+        for part in parts:
+            for owner, attribute, stand_in in WITHOUT[part]:
+                undo.append((owner, attribute, getattr(owner, attribute)))
+                setattr(owner, attribute, stand_in)
+        yield
+    finally:
+        for owner, attribute, old in reversed(undo):
+            setattr(owner, attribute, old)
+
+
 def run(mode: str, model: torch.nn.Module, batches: list, args: argparse.Namespace, accelerator: str) -> dict:
     name, *parts = mode.split("+")
-    undo = []
-    for part in parts:
-        for owner, attribute, stand_in in WITHOUT[part]:
-            undo.append((owner, attribute, getattr(owner, attribute)))
-            setattr(owner, attribute, stand_in)
-    try:
+    with without(parts):
         lit = name[len("lightning-"):] if name.startswith("lightning-") else None
         kwargs: dict[str, Any] = {"precision": lit} if lit else {"plugins": [bhc.plugin(name[3:])]}
         marks = Marks()
-        module = Marked(model, batches, "gpt" if args.model == "tiny" else args.model, True)
+        module = Marked(model, batches, args.model, True)
         module.marks = marks
         Trainer(accelerator=accelerator, devices=1, max_steps=args.warmup + args.steps, logger=False,
                 enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                 callbacks=[marks], **kwargs).fit(module)
-    finally:
-        for owner, attribute, old in reversed(undo):
-            setattr(owner, attribute, old)
     phases: dict[str, list[float]] = collections.defaultdict(list)
     timed = marks.steps[args.warmup:]
     for step, following in zip(timed, timed[1:]):
@@ -153,9 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if args.fast_cores:
         print(fast_cores.pin_fast_cores(args.fast_cores))
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    bhc.quiet()
     cuda = torch.cuda.is_available()
     args.model = args.model or ("gpt" if cuda else "tiny")
     accelerator = "gpu" if cuda else "cpu"
@@ -164,16 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         unknown = [part for part in mode.split("+")[1:] if part not in WITHOUT]
         if unknown:
             p.error(f"{mode}: unknown part(s) {unknown}; known: {sorted(WITHOUT)}")
-    if args.model == "tiny":
-        import bench_overhead as bo
-
-        torch.manual_seed(0)
-        models = {m: bo.GPT(256, 32, 4, 4, 16) for m in modes}
-        g = torch.Generator().manual_seed(1)
-        batches = [torch.randint(0, 256, (2, 17), generator=g) for _ in range(args.warmup + args.steps)]
-    else:
-        models = {m: bhc.build(args.model, torch.device("cpu")) for m in modes}
-        batches = bhc.make_batches(args.model, args.warmup + args.steps)
+    models = {m: bhc.build(args.model, torch.device("cpu")) for m in modes}
+    batches = bhc.make_batches(args.model, args.warmup + args.steps)
     figures: dict[str, dict[str, list[float]]] = {m: collections.defaultdict(list) for m in modes}
     for r in range(args.rounds):
         for mode in modes[r % len(modes):] + modes[:r % len(modes)]:

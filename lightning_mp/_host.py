@@ -51,11 +51,11 @@ class HostCopy:
 class _Batch:
     """Pinned host memory for one batch of flags, read through ``ctypes`` (no torch call a read)."""
 
-    __slots__ = ("host", "slots", "values", "held", "sent", "left")
+    __slots__ = ("host", "first", "values", "held", "sent", "left")
 
     def __init__(self, size: int, pinned: bool) -> None:
         self.host = torch.full((size,), math.nan, dtype=torch.float32, pin_memory=pinned)
-        self.slots = self.host.unbind()  # 0-dim views, made once
+        self.first = self.host[0]  # (a batch of one copies into this 0-dim view: no slicing a step)
         self.values = (ctypes.c_float * size).from_address(self.host.data_ptr())  # (kept alive by ``host``)
         self.held: list[Tensor] = []  # the device flags pushed, not sent yet
         self.sent = False
@@ -102,7 +102,7 @@ class HostBatches:
         self._open = None
         held, batch.held = batch.held, []
         if len(held) == 1:
-            batch.slots[0].copy_(held[0], non_blocking=True)
+            batch.first.copy_(held[0], non_blocking=True)
         else:  # (the stacked copy is freed after the copy is enqueued: the stream's order keeps it until then)
             batch.host[: len(held)].copy_(torch.stack(held), non_blocking=True)
         batch.sent, batch.left = True, len(held)
@@ -126,21 +126,3 @@ class HostBatches:
             self._spare.append(batch)
         return value
 
-
-class ZeroFlags:
-    """Zeroed 0-dim fp32 flags (a step's inf/NaN verdict), made ``size`` at a time: one allocation and fill for
-    ``size`` steps where a step would make its own. A flag is handed out once and never zeroed again, so whatever
-    keeps one (the counters, a spike guard's window) keeps its value."""
-
-    def __init__(self, size: int = 64) -> None:
-        self.size = size
-        self._device: Optional[torch.device] = None
-        self._free: list[Tensor] = []
-
-    def take(self, device: torch.device) -> Tensor:
-        free = self._free
-        if not free or device != self._device:
-            self._device = device
-            free = self._free = list(torch.zeros(self.size, dtype=torch.float32, device=device).unbind())
-            free.reverse()
-        return free.pop()

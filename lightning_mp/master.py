@@ -63,8 +63,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.weak import WeakIdKeyDictionary
 
-from lightning_mp._host import HostCopy, ZeroFlags
-from lightning_mp.verdict import _GRAD, check_tensors_
+from lightning_mp._host import HostCopy
+from lightning_mp.verdict import _GRAD, ZeroFlags, check_tensors_
 from lightning_mp.settings import MASTER_WEIGHT_KINDS, parse_master_weights  # noqa: F401 - (also here)
 
 _HALF = (torch.float16, torch.bfloat16)

@@ -190,7 +190,7 @@ class OptimizerStats:
 
     def __getstate__(self) -> dict[str, Any]:
         # (a copy or a pickle takes the outcomes as they are now: copies still landing in this object's pinned
-        # slots would never reach the other one)
+        # buffers would never reach the other one)
         self._settle()
         state = dict(self.__dict__)
         state["_batches"], state["_pool"] = None, []

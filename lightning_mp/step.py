@@ -48,7 +48,6 @@ from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 
-from lightning_mp._host import ZeroFlags
 from lightning_mp.buffers import BufferSnapshot
 from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.master import MasterWeights, StepRecords, wrapped_optimizers
@@ -89,8 +88,6 @@ class _OptimizerState:
     plan: Optional[str] = None
     #: the check-only plans' inf/NaN check, planned from the parameters (``None``: the general check)
     check: Optional[checks.PlannedCheck] = None
-    #: the non-fused check-only plan's flag, read as 0 by the host at the last step (reused by the next)
-    clean_flag: Optional[Tensor] = None
 
 
 class OptimizerSteps:
@@ -134,7 +131,7 @@ class OptimizerSteps:
         self._module: Optional[LightningModule] = None
         self._trainer: Any = None
         self._overlap = OverlappedCheck()
-        self._flags = ZeroFlags()  # the check-only plans' verdict flags
+        self._flags = checks.ZeroFlags()  # the check-only plans' verdict flags
 
     @property
     def scaler(self) -> Optional[StepGuard]:
@@ -332,9 +329,7 @@ class OptimizerSteps:
             hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
             torch_state = scaler._per_optimizer_states.get(id(optimizer))
             if torch_state is None or torch_state["stage"] is OptState.READY:
-                # (a flag the host read as 0 last step is 0 still: reused, no allocation)
-                flag = state.clean_flag if state.clean_flag is not None else self._flags.take(scaler.scale_device)
-                state.clean_flag = None
+                flag = self._flags.take(scaler.scale_device)  # (zeroed 64 at a time: no allocation a step)
                 check = state.check
                 if check is not None and check.count != checks.PlannedCheck.count_of(optimizer):  # add_param_group
                     check = state.check = checks.PlannedCheck.of(optimizer)
@@ -357,7 +352,6 @@ class OptimizerSteps:
             else:
                 # torch's GradScaler pays this one host sync too; its answer decides the step, counted as known
                 verdict, skipped = None, any(flag.item() for flag in found.values())
-                state.clean_flag = None if skipped or torch_state is not None else flag
                 out = None if skipped else optimizer.step(**kwargs)
             state.stage = Stage.STEPPED
         finally:

@@ -75,6 +75,25 @@ def one_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return flat[0] if len(flat) == 1 else torch.stack(flat).amax()
 
 
+class ZeroFlags:
+    """Zeroed 0-dim fp32 flags (a step's inf/NaN verdict), made ``size`` at a time: one allocation and fill for
+    ``size`` steps where a step would make its own. A flag is handed out once and never zeroed again, so whatever
+    keeps one (the counters, a spike guard's window) keeps its value."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._device: Optional[torch.device] = None
+        self._free: list[torch.Tensor] = []
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        free = self._free
+        if not free or device != self._device:
+            self._device = device
+            free = self._free = list(torch.zeros(self.size, dtype=torch.float32, device=device).unbind())
+            free.reverse()
+        return free.pop()
+
+
 # ---------------------------------------------------------------------- the checks
 def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
     """Find inf/NaN among ``optimizer``'s gradients, dividing nothing; returns ``found_inf`` (or a flag per device).
