@@ -507,6 +507,12 @@ class ThroughputMonitor(_LightningThroughputMonitor):
     ``float32`` with TF32 when the run turns it on, ``bfloat16``, ``float16``, ``int8`` for FP8 as Lightning's
     Transformer Engine plugin does); with any other precision plugin it is Lightning's unchanged.
 
+    The peak follows the mode in force at each batch, whatever changed it (a ``PrecisionSchedule`` entry,
+    ``MPPlugin.set_precision``, a checkpoint resumed in another mode): at the start of every batch the mode is
+    compared with the one the peak was looked up for (a few attribute reads; the table is read again only when
+    it changed). ``device/mfu`` is Lightning's windowed figure: for ``window_size`` batches after a switch its
+    throughput still counts batches of the previous mode, divided by the new mode's peak.
+
     Example::
 
         from lightning_mp import MPPlugin, ThroughputMonitor
@@ -517,18 +523,56 @@ class ThroughputMonitor(_LightningThroughputMonitor):
 
     #: the dtype the peak FLOPs were looked up for (``None`` before set-up or with another precision plugin)
     compute_dtype: Optional[torch.dtype] = None
+    #: what the peak was looked up for: (mode name, TF32 in force, device); ``None``: Lightning's own look-up
+    _peak_of: Optional[tuple[str, Optional[bool], torch.device]] = None
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        super().setup(trainer, pl_module, stage)
+        super().setup(trainer, pl_module, stage)  # Lightning's look-up, right for any other precision plugin
+        self.compute_dtype, self._peak_of = None, None  # (a fit before this one may have used MPPlugin)
+        self._follow_precision(trainer)
+
+    @override
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._follow_precision(trainer)
+
+    @override
+    def on_validation_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._follow_precision(trainer)
+
+    @override
+    def on_test_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._follow_precision(trainer)
+
+    @override
+    def on_predict_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._follow_precision(trainer)
+
+    def _follow_precision(self, trainer: Trainer) -> None:
+        """Look the peak up for the mode in force, if it is not the one the peak was looked up for.
+
+        Called at the start of each batch (not at its end: a switch at the end of a batch, by a callback that
+        runs before this one, concerns the next batch) so that the batch's figure uses the mode it ran in.
+        """
         plugin = trainer.precision_plugin
         mode = running_mode(plugin)
         if mode is None:
-            return
-        self.compute_dtype = compute_dtype(mode)
+            return  # another precision plugin: Lightning's look-up at set-up stands (its dtype never changes)
         asked = getattr(getattr(plugin, "settings", None), "tf32", None)  # MPPlugin(tf32=...); None: the mode's
         tf32 = asked if asked is not None else mode.tf32
-        self.available_flops = _available_flops(trainer.strategy.root_device, self.compute_dtype, tf32)
+        device = trainer.strategy.root_device
+        peak_of = (mode.name, tf32, device)
+        if peak_of == self._peak_of:
+            return
+        self._peak_of = peak_of
+        self.compute_dtype = compute_dtype(mode)
+        self.available_flops = _available_flops(device, self.compute_dtype, tf32)
         for throughput in self._throughputs.values():
             throughput.available_flops = self.available_flops
 
