@@ -118,6 +118,47 @@ def test_resume_after_a_fallback_keeps_the_fallback(tmp_path):
     assert plugin.stats.skipped_steps == 1  # MPPlugin's counters came back too
 
 
+class SwitchAt(Callback):
+    """The user's own switch: ``MPPlugin.set_precision`` after a chosen optimizer step."""
+
+    def __init__(self, step, mode):
+        self.step, self.mode = step, mode
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            trainer.precision_plugin.set_precision(self.mode)
+
+
+@pytest.mark.parametrize("user_first", [True, False], ids=["user-switch-first", "schedule-first"])
+def test_skips_before_the_users_own_switch_do_not_count_against_the_new_mode(user_first):
+    # fp16 skips step 2 (batch 1); the user switches to bf16 after step 3; bf16 skips step 6 (batch 5): one skip
+    # of bf16 within the window, not two, so bf16 stays (as in a run that started in bf16 and skipped once)
+    schedule = PrecisionSchedule(fallback={"fp16": "bf16", "bf16": "fp32"}, max_skips=2, window=10)
+    user = SwitchAt(3, "bf16")
+    recorder = ModeRecorder()
+    callbacks = [user, schedule, recorder] if user_first else [schedule, user, recorder]
+    plugin = MPPlugin("fp16", init_scale=256.0)
+    make_trainer(plugin, max_steps=8, callbacks=callbacks).fit(TinyRegressor(poison_loss=(1, 5)))
+    assert recorder.modes == ["fp16"] * 3 + ["bf16"] * 5
+    assert schedule.history == [] and schedule.abandoned == set() and schedule.mode == "bf16"
+    assert plugin.stats.skipped_steps == 2
+
+
+def test_a_second_fit_with_another_plugin_runs_the_schedule_afresh():
+    plan = dict(schedule={0: "fp32", 3: "fp16"}, fallback={"fp16": "bf16"}, max_skips=2, window=10)
+    reused = PrecisionSchedule(**plan)
+    fit(reused, MPPlugin("fp32", init_scale=256.0), 5, model=TinyRegressor(poison_loss=(4,)))  # fp16 skips once
+    assert reused.mode == "fp16" and len(reused._skips) == 1
+
+    # a new Trainer with another plugin, from step 0: the same as a schedule that never ran before
+    _, rec = fit(reused, MPPlugin("bf16", init_scale=256.0), 6, model=TinyRegressor(poison_loss=(4,)))
+    fresh = PrecisionSchedule(**plan)
+    _, oracle = fit(fresh, MPPlugin("bf16", init_scale=256.0), 6, model=TinyRegressor(poison_loss=(4,)))
+    assert oracle.modes == ["fp32"] * 3 + ["fp16"] * 3 and oracle.dtypes == [torch.float32] * 3 + [torch.float16] * 3
+    assert (rec.modes, rec.dtypes) == (oracle.modes, oracle.dtypes)
+    assert reused.state_dict() == fresh.state_dict()
+
+
 def test_requires_mpplugin():
     trainer = make_trainer(None, max_steps=2, callbacks=[PrecisionSchedule({0: "fp32"})], precision="bf16-mixed")
     with pytest.raises(MisconfigurationException, match="switches precision through MPPlugin.*MixedPrecision"):

@@ -113,6 +113,11 @@ class PrecisionSchedule(Callback):
         self.window = window
         self.check_every_n_steps = check_every_n_steps
 
+        self._plugin: Optional[Any] = None  # the MPPlugin in use
+        self._start_run()
+
+    def _start_run(self) -> None:
+        """The state of one run (what ``state_dict`` saves): none of it carries over to a run with another plugin."""
         #: the mode training runs in now (a canonical name), ``None`` before training starts
         self.mode: Optional[str] = None
         #: every switch: ``{"step", "epoch", "from", "to", "reason"}``
@@ -122,7 +127,6 @@ class PrecisionSchedule(Callback):
         self._skips: deque[int] = deque()  # steps (with repeats) at which the current mode skipped
         self._counted_skips: Optional[int] = None  # MPPlugin's skip counter at the last read (fused path)
         self._last_step: Optional[int] = None
-        self._plugin: Optional[Any] = None  # the MPPlugin in use
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -137,6 +141,10 @@ class PrecisionSchedule(Callback):
                 " Trainer(plugins=[MPPlugin('fp32')], callbacks=[PrecisionSchedule(...)]) and leave"
                 " Trainer(precision=...) unset."
             )
+        if self._plugin is not None and plugin is not self._plugin:
+            # a fit with another plugin is another run (its steps count from its own start): the schedule starts
+            # afresh, as a new PrecisionSchedule would; a checkpoint given to fit then restores the saved state
+            self._start_run()
         self._plugin = plugin
         device = trainer.strategy.root_device.type
         for name in {*self.schedule.values(), *self.fallback.values()}:
@@ -172,8 +180,10 @@ class PrecisionSchedule(Callback):
             return  # no optimizer step yet (gradient accumulation): never switch inside a step
         self._last_step = step
         plugin = self._require_plugin(trainer)
-        if plugin.mode is not None:
+        if plugin.mode is not None and plugin.mode.name != self.mode:
+            # switched outside the schedule (MPPlugin.set_precision): the skips seen belong to the previous mode
             self.mode = plugin.mode.name  # the plugin is the truth, whoever switched it
+            self._forget_skips()
         if self.mode in self.fallback:
             self._observe_skips(plugin, step)
             recent = len(self._skips)  # all within the window (see _observe_skips)
@@ -209,8 +219,7 @@ class PrecisionSchedule(Callback):
             return
         mode = plugin.set_precision(target)  # between optimizer steps; raises before changing anything
         self.mode = mode.name
-        self._skips.clear()
-        self._counted_skips = None
+        self._forget_skips()
         if mode.name == current:
             return
         entry = {
@@ -228,6 +237,11 @@ class PrecisionSchedule(Callback):
             rank_zero_warn(message)
         else:
             rank_zero_info(message)
+
+    def _forget_skips(self) -> None:
+        """A new mode: the skip window starts empty (the skips seen were the previous mode's)."""
+        self._skips.clear()
+        self._counted_skips = None
 
     def _observe_skips(self, plugin: Any, step: int) -> None:
         while self._skips and self._skips[0] <= step - self.window:
