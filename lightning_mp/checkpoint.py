@@ -101,8 +101,12 @@ def _load_counters(state: dict[str, Any], stats: StepStats) -> None:
         saved = [{k: scaler_state[k] for k in ("steps", "skipped_steps", "consecutive_skips") if k in scaler_state}]
     if not isinstance(saved, list) or not all(isinstance(s, dict) for s in saved):
         raise ValueError("The checkpoint's per-optimizer step counters are corrupted: expected a list of dicts.")
-    for opt_stats, opt_state in zip(stats.per_optimizer, saved):
-        opt_stats.load_state_dict(opt_state)
+    # every saved optimizer's counters, also where no optimizer is connected yet (validate(ckpt_path=...) restores
+    # the plugin's state, as Lightning's restores its scaler's); the checkpoint is the truth for the rest: none yet
+    for index, opt_state in enumerate(saved):
+        stats.optimizer(index).load_state_dict(opt_state)
+    for opt_stats in stats.per_optimizer[len(saved):]:
+        opt_stats.load_state_dict({})
 
 
 def _load_master_weights(

@@ -309,6 +309,10 @@ class StepStats:
     Totals are over all optimizers; ``per_optimizer`` has each optimizer's own counters (the divergence stop
     counts each optimizer's streak apart). Reading the loss scale or the gradient norm copies one number to the
     host (a sync on CUDA): read them on logging steps. ``as_dict()`` reads everything at once.
+
+    The counters describe the whole run, as the loss scale does: they live as long as the plugin (``validate``,
+    ``test`` and ``predict`` after ``fit``, a continued ``fit``, another ``Trainer`` given the same plugin keep
+    them; the n-th optimizer of every ``fit`` counts on in the n-th entry) and are set only by a checkpoint loaded.
     """
 
     def __init__(self, scaler: Optional[Any] = None, spike: Optional[Any] = None) -> None:
@@ -319,8 +323,13 @@ class StepStats:
         self.per_optimizer: list[OptimizerStats] = []
         self._namer: Optional[Callable[[Tensor], Optional[str]]] = None
 
-    def set_optimizers(self, stats: list[OptimizerStats]) -> None:
-        self.per_optimizer = list(stats)
+    def optimizer(self, index: int) -> OptimizerStats:
+        """The counters of the run's ``index``-th optimizer (made at its first use, kept from one entry point to the
+        next: an evaluation in between, with no optimizers, leaves them as they are)."""
+        per = self.per_optimizer
+        while len(per) <= index:
+            per.append(OptimizerStats())
+        return per[index]
 
     def set_scaler(self, scaler: Optional[Any]) -> None:
         """The loss scaler (or the step guard) of the run; a loss scaler's counts become views of these."""

@@ -145,9 +145,9 @@ class OptimizerSteps:
 
     # ------------------------------------------------------------------ set-up
     def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
-        """Start a run with these optimizers (a new ``fit``; earlier records are dropped)."""
+        """Start a run with these optimizers (a new ``fit``; earlier records are dropped, the step counters are the
+        plugin's and go on: see :meth:`StepStats.optimizer`)."""
         self._optimizers = {id(opt): self._new_state(i, opt) for i, opt in enumerate(optimizers)}
-        self.stats.set_optimizers([opt_state.stats for opt_state in self._optimizers.values()])
         self._batch_verdicts = []
         self.buffers.drop()
         self.buffers.forget_plan()
@@ -186,7 +186,7 @@ class OptimizerSteps:
         return self._accumulate() > 1
 
     def _new_state(self, index: int, optimizer: Optimizer) -> _OptimizerState:
-        state = _OptimizerState(index, optimizer)
+        state = _OptimizerState(index, optimizer, stats=self.stats.optimizer(index))
         # device verdicts reach the counters a batch at a time (one copy a batch): the divergence stop then fires up
         # to a batch late, so the batch is a quarter of its limit at most (none: the stop fires as it did)
         limit = self.max_consecutive_skips
@@ -197,7 +197,6 @@ class OptimizerSteps:
         state = self._optimizers.get(id(optimizer))
         if state is None:  # an optimizer made outside configure_optimizers: give it a record too
             state = self._optimizers[id(optimizer)] = self._new_state(len(self._optimizers), optimizer)
-            self.stats.set_optimizers([s.stats for s in self._optimizers.values()])
         return state
 
     # ------------------------------------------------------------------ around forward and backward
