@@ -397,3 +397,31 @@ def test_plot_says_why_it_drew_nothing(tmp_path):
     unwritable = tmp_path / "no such folder" / "precision.png"
     with pytest.warns(UserWarning, match="could not write the plot"):
         fit(tmp_path, MPPlugin("bf16"), [PrecisionMonitor(log_every_n_steps=1, plot=str(unwritable))], max_steps=2)
+
+
+SKIP_FIGURES = ("precision/skipped_steps", "precision/skip_rate", "precision/consecutive_skips", "precision/loss_scale")
+
+
+@pytest.mark.parametrize(("first", "second"), [("mp", "native"), ("native", "native"), ("mp", "mp"), ("native", "mp")])
+def test_a_second_fit_with_another_plugin_logs_what_a_fresh_monitor_logs(tmp_path, first, second):
+    """The skip figures count the plugin of the run: a monitor used again with another plugin starts afresh."""
+    plugins = {"mp": lambda: MPPlugin("fp16", init_scale=1024.0), "native": native_fp16}
+    reused = PrecisionMonitor(log_every_n_steps=2)
+    fit(tmp_path / "first", plugins[first](), [reused], model=TinyRegressor(poison_loss=(1, 4, 5)))
+    assert reused.last["precision/skipped_steps"] == 3
+    fit(tmp_path / "second", plugins[second](), [reused], max_steps=4, model=TinyRegressor(poison_loss=(1,)))
+    fresh = PrecisionMonitor(log_every_n_steps=2)
+    fit(tmp_path / "fresh", plugins[second](), [fresh], max_steps=4, model=TinyRegressor(poison_loss=(1,)))
+
+    def figures(root):
+        return [{name: float(row[name]) for name in SKIP_FIGURES} for row in precision_rows(root)]
+
+    assert figures(tmp_path / "fresh") == [
+        {"precision/skipped_steps": 1, "precision/skip_rate": 0.5, "precision/consecutive_skips": 1,
+         "precision/loss_scale": 512.0},
+        {"precision/skipped_steps": 1, "precision/skip_rate": 0.0, "precision/consecutive_skips": 0,
+         "precision/loss_scale": 512.0},
+    ]  # fmt: skip
+    assert figures(tmp_path / "second") == figures(tmp_path / "fresh")
+    assert reused.history == fresh.history == [(2, 512.0, 1), (4, 512.0, 1)]
+    assert pickle.loads(pickle.dumps(reused)).history == reused.history  # (it remembers the plugin weakly)

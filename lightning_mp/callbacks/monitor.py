@@ -23,8 +23,9 @@ from __future__ import annotations
 import importlib.util
 import math
 import re
+import weakref
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -44,16 +45,82 @@ from lightning_mp.stats import StepStats
 FP16_MAX = float(torch.finfo(torch.float16).max)
 FP16_TINY = float(torch.finfo(torch.float16).tiny)
 
-SCALAR_NAMES = ("loss_scale", "skipped_steps", "skip_rate", "consecutive_skips", "grad_norm", "spike_skips")
-LAYER_FIGURES = (
-    "act_absmax",
-    "act_headroom",
-    "act_nonfinite",
-    "grad_absmax",
-    "grad_headroom",
-    "grad_underflow",
-    "grad_nonfinite",
-)
+
+
+class _Counts(NamedTuple):
+    """The skip counts of a logging step: MPPlugin's ``StepStats``, or the monitor's own with a native scaler."""
+
+    steps: int
+    skipped_steps: int
+    consecutive_skips: int
+    loss_scale: Optional[float]  # None: the loss is not scaled
+    spike_skips: Optional[int]  # None: the loss-spike guard is off
+
+
+class _Scalars(NamedTuple):
+    """The scalar figures of a logging step, agreed over ranks, in the order they are logged."""
+
+    loss_scale: float
+    skipped_steps: float
+    skip_rate: float
+    consecutive_skips: float
+    grad_norm: float
+    spike_skips: float
+
+
+SCALAR_NAMES = _Scalars._fields
+#: the scalar figures logged as integers
+INTEGER_SCALARS = ("skipped_steps", "consecutive_skips", "spike_skips")
+
+
+class _LayerOutput(NamedTuple):
+    """One floating output of a reported layer, on a logging step (device values)."""
+
+    absmax: Tensor
+    nonfinite: Tensor  # elements
+    numel: int
+
+
+class _LayerGrads(NamedTuple):
+    """A reported layer's parameter gradients on a logging step, over the optimizers that stepped in the batch."""
+
+    absmax: Tensor  # unscaled
+    underflow: Tensor | int  # elements (a sum of device counts; 0 for none)
+    nonfinite: Tensor | int
+    numel: int
+
+    def merge(self, other: _LayerGrads) -> _LayerGrads:
+        return _LayerGrads(
+            torch.maximum(self.absmax, other.absmax),
+            self.underflow + other.underflow,
+            self.nonfinite + other.nonfinite,
+            self.numel + other.numel,
+        )
+
+
+class _LayerMaxima(NamedTuple):
+    """Per-layer largest values, one entry per reported layer; agreed over ranks by the maximum."""
+
+    act_absmax: Any  # a device vector before the agreement, a list of floats after it
+    grad_absmax: Any
+
+
+class _LayerCounts(NamedTuple):
+    """Per-layer element counts, one entry per reported layer; agreed over ranks by the sum."""
+
+    act_nonfinite: Any  # a device vector before the agreement, a list of floats after it
+    act_numel: Any
+    grad_underflow: Any
+    grad_nonfinite: Any
+    grad_numel: Any
+
+
+class _HistoryEntry(NamedTuple):
+    """One logging step, for the plot (a plain tuple in checkpoints)."""
+
+    step: int
+    loss_scale: Optional[float]
+    skipped_steps: int
 
 
 class PrecisionMonitor(Callback):
@@ -173,7 +240,7 @@ class PrecisionMonitor(Callback):
         #: the figures of the last logging step (the same numbers on every rank)
         self.last: dict[str, float] = {}
         #: ``(step, loss_scale or None, skipped_steps)`` per logging step, for the plot
-        self.history: list[tuple[int, Optional[float], int]] = []
+        self.history: list[_HistoryEntry] = []
 
         self._every = 1
         self._names: list[str] = []  # qualified layer names
@@ -184,12 +251,23 @@ class PrecisionMonitor(Callback):
         self._logging_step = False
         self._stepped = False
         self._grad_norm: Optional[Tensor] = None
-        self._act: dict[int, list[tuple[Tensor, Tensor, int]]] = defaultdict(list)
-        # (absmax, underflows, non-finite, numel) per layer; the counts are sums of tensors (0 for none)
-        self._grad: dict[int, tuple[Tensor, Tensor | int, Tensor | int, int]] = {}
+        self._act: dict[int, list[_LayerOutput]] = defaultdict(list)  # per layer index
+        self._grad: dict[int, _LayerGrads] = {}  # per layer index
         self._grad_scale_used = 1.0
         self._sharded = False  # FSDP / ModelParallel: each rank holds a shard of the gradients
         self._window_start: Optional[tuple[int, int]] = None  # (steps, skipped) at the previous logging step
+        self._plugin: Optional[weakref.ref] = None  # the precision plugin whose counts the figures follow
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_plugin"] = None  # (a weak reference does not pickle)
+        return state
+
+    def _start_run(self) -> None:
+        """Forget the counts of another precision plugin's run (what ``state_dict`` saves, and the last figures)."""
+        self.last, self.history = {}, []
+        self._native = _NativeSkips()
+        self._window_start = None
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -201,6 +279,12 @@ class PrecisionMonitor(Callback):
                 "Cannot use `PrecisionMonitor` callback with `Trainer` that has no logger. Pass one, e.g."
                 " `Trainer(logger=CSVLogger('logs'))`, or leave `logger` at its default."
             )
+        plugin = trainer.precision_plugin
+        if self._plugin is not None and self._plugin() is not plugin:
+            # another plugin counts from its own start: a window or history of the last one would mix two runs
+            # (a negative skip rate); a checkpoint given to fit restores them after this
+            self._start_run()
+        self._plugin = weakref.ref(plugin)
         # (Trainer.log_every_n_steps: set by Lightning's logger connector, not declared on the class)
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]
         self._every = self.log_every_n_steps if self.log_every_n_steps is not None else every
@@ -226,7 +310,9 @@ class PrecisionMonitor(Callback):
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         device = trainer.strategy.root_device
         n_layers = len(self._names)
-        self._agreement = _RankAgreement(len(SCALAR_NAMES) + 2 * n_layers, 5 * n_layers + 1).to(device)
+        n_max = len(_Scalars._fields) + len(_LayerMaxima._fields) * n_layers
+        n_sum = len(_LayerCounts._fields) * n_layers + 1  # and the sum of the squared gradient-norm shards
+        self._agreement = _RankAgreement(n_max, n_sum).to(device)
         self._native.reset_device(device)
 
     @override
@@ -322,81 +408,17 @@ class PrecisionMonitor(Callback):
 
     # ------------------------------------------------------------------ reading
     def _log(self, trainer: Trainer, pl_module: LightningModule, stats: Optional[StepStats]) -> None:
-        scaler = trainer.scaler
-        if stats is not None:
-            read = stats.as_dict()  # one host copy
-            steps, skipped = read["steps"], read["skipped_steps"]
-            consecutive, loss_scale = read["consecutive_skips"], read["loss_scale"]
-            spikes = read.get("spike_skips") if getattr(stats, "_spike", None) is not None else None
-        else:
-            steps, skipped, consecutive = self._native.read()
-            loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-            spikes = None
-        previous = self._window_start if self._window_start is not None else (0, 0)
-        window = steps - previous[0]
-        skip_rate = (skipped - previous[1]) / window if window > 0 else 0.0
-        self._window_start = (steps, skipped)
-        grad_norm = self._grad_norm
-        self._grad_norm = None
-
-        agreement = self._agreement
-        assert agreement is not None  # made in on_fit_start
-        device = agreement.device
-        nan = float("nan")
-        scalars = torch.tensor(
-            [loss_scale if loss_scale is not None else nan, skipped, skip_rate, consecutive, nan,
-             spikes if spikes is not None else nan], dtype=torch.float64,
-            device=device,
-        )
-        maxima, sums = self._layer_vectors(device)
-        squares = torch.zeros(1, dtype=torch.float64, device=device)
-        if grad_norm is not None:
-            norm = grad_norm.to(device=device, dtype=torch.float64)
-            if self._sharded:
-                squares[0] = norm**2  # the norm over all shards: the square root of the sum over ranks
-            else:
-                scalars[4] = norm  # replicated gradients (DDP): the same on every rank
-        agreement.reset()
-        agreement.update(torch.cat([scalars, maxima]), torch.cat([sums, squares]))
-        agreed_max, agreed_sum = (v.reshape(-1) for v in agreement.compute())  # synced over ranks by torchmetrics
-        if self._sharded and grad_norm is not None:
-            agreed_max[4] = agreed_sum[-1].sqrt()
-        values = torch.cat([agreed_max, agreed_sum[:-1]]).tolist()
+        counts = self._counts(trainer, stats)
+        grad_norm, self._grad_norm = self._grad_norm, None
+        scalars, maxima, sums = self._agree(counts, self._skip_rate(counts), grad_norm)
         self._act.clear()
         self._grad.clear()
-
-        n_layers = len(self._names)
-        figures: dict[str, float] = {}
-        for name, value in zip(SCALAR_NAMES, values[: len(SCALAR_NAMES)]):
-            if (name == "loss_scale" and loss_scale is None) or (name == "grad_norm" and grad_norm is None):
-                continue
-            if name == "spike_skips" and spikes is None:  # the loss-spike guard is off
-                continue
-            integer = name in ("skipped_steps", "consecutive_skips", "spike_skips")
-            figures[f"precision/{name}"] = int(value) if integer else value
-        if n_layers:
-            offset = len(SCALAR_NAMES)
-            act_max = values[offset : offset + n_layers]
-            grad_max = values[offset + n_layers : offset + 2 * n_layers]
-            s = values[offset + 2 * n_layers :]
-            act_bad, act_numel, grad_under, grad_bad, grad_numel = (
-                s[i * n_layers : (i + 1) * n_layers] for i in range(5)
-            )
-            scale = self._grad_scale_used
-            for i, layer in enumerate(self._names):
-                if act_numel[i] > 0:
-                    figures[f"precision/act_absmax/{layer}"] = act_max[i]
-                    figures[f"precision/act_headroom/{layer}"] = _headroom(act_max[i])
-                    figures[f"precision/act_nonfinite/{layer}"] = act_bad[i] / act_numel[i]
-                if grad_numel[i] > 0:
-                    figures[f"precision/grad_absmax/{layer}"] = grad_max[i]
-                    figures[f"precision/grad_headroom/{layer}"] = _headroom(grad_max[i] * scale)
-                    figures[f"precision/grad_underflow/{layer}"] = grad_under[i] / grad_numel[i]
-                    figures[f"precision/grad_nonfinite/{layer}"] = grad_bad[i] / grad_numel[i]
+        figures = self._scalar_figures(scalars, counts, grad_norm is not None)
+        figures.update(self._layer_figures(maxima, sums))
         self.last = figures
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning logs this step's metrics
         self.history.append(
-            (trainer.global_step, figures.get("precision/loss_scale"), int(figures["precision/skipped_steps"]))
+            _HistoryEntry(trainer.global_step, figures.get("precision/loss_scale"), int(scalars.skipped_steps))
         )
         for logger in trainer.loggers:
             logger.log_metrics(figures, step=step)
@@ -408,12 +430,95 @@ class PrecisionMonitor(Callback):
             if metrics:
                 pl_module.log_dict(metrics, prog_bar=prog_bar, logger=False, on_step=True, on_epoch=False)
 
+    def _counts(self, trainer: Trainer, stats: Optional[StepStats]) -> _Counts:
+        if stats is not None:
+            read = stats.as_dict()  # one host copy
+            spikes = read.get("spike_skips") if getattr(stats, "_spike", None) is not None else None
+            return _Counts(read["steps"], read["skipped_steps"], read["consecutive_skips"], read["loss_scale"], spikes)
+        scaler = trainer.scaler
+        loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
+        return _Counts(*self._native.read(), loss_scale, None)
+
+    def _skip_rate(self, counts: _Counts) -> float:
+        """The share of optimizer steps skipped since the previous logging step (its window starts here)."""
+        previous = self._window_start if self._window_start is not None else (0, 0)
+        window = counts.steps - previous[0]
+        self._window_start = (counts.steps, counts.skipped_steps)
+        return (counts.skipped_steps - previous[1]) / window if window > 0 else 0.0
+
+    def _agree(
+        self, counts: _Counts, skip_rate: float, grad_norm: Optional[Tensor]
+    ) -> tuple[_Scalars, _LayerMaxima, _LayerCounts]:
+        """The figures agreed over ranks (through torchmetrics), read with one host copy."""
+        agreement = self._agreement
+        assert agreement is not None  # made in on_fit_start
+        device = agreement.device
+        nan = math.nan
+        local = _Scalars(
+            loss_scale=counts.loss_scale if counts.loss_scale is not None else nan,
+            skipped_steps=counts.skipped_steps,
+            skip_rate=skip_rate,
+            consecutive_skips=counts.consecutive_skips,
+            grad_norm=nan,
+            spike_skips=counts.spike_skips if counts.spike_skips is not None else nan,
+        )
+        scalars = torch.tensor(local, dtype=torch.float64, device=device)
+        norm_at = SCALAR_NAMES.index("grad_norm")
+        maxima, sums = self._layer_vectors(device)
+        squares = torch.zeros(1, dtype=torch.float64, device=device)
+        if grad_norm is not None:
+            norm = grad_norm.to(device=device, dtype=torch.float64)
+            if self._sharded:
+                squares[0] = norm**2  # the norm over all shards: the square root of the sum over ranks
+            else:
+                scalars[norm_at] = norm  # replicated gradients (DDP): the same on every rank
+        agreement.reset()
+        agreement.update(torch.cat([scalars, *maxima]), torch.cat([*sums, squares]))
+        agreed_max, agreed_sum = (v.reshape(-1) for v in agreement.compute())  # synced over ranks by torchmetrics
+        if self._sharded and grad_norm is not None:
+            agreed_max[norm_at] = agreed_sum[-1].sqrt()
+        values = torch.cat([agreed_max, agreed_sum[:-1]]).tolist()
+        n_scalars, n_maxima = len(_Scalars._fields), len(_LayerMaxima._fields) * len(self._names)
+        return (
+            _Scalars(*values[:n_scalars]),
+            _LayerMaxima(*_per_layer(values[n_scalars : n_scalars + n_maxima], len(_LayerMaxima._fields))),
+            _LayerCounts(*_per_layer(values[n_scalars + n_maxima :], len(_LayerCounts._fields))),
+        )
+
+    @staticmethod
+    def _scalar_figures(scalars: _Scalars, counts: _Counts, has_grad_norm: bool) -> dict[str, float]:
+        present = {
+            "loss_scale": counts.loss_scale is not None,
+            "grad_norm": has_grad_norm,
+            "spike_skips": counts.spike_skips is not None,  # the loss-spike guard is on
+        }
+        return {
+            f"precision/{name}": int(value) if name in INTEGER_SCALARS else value
+            for name, value in scalars._asdict().items()
+            if present.get(name, True)
+        }
+
+    def _layer_figures(self, maxima: _LayerMaxima, sums: _LayerCounts) -> dict[str, float]:
+        figures: dict[str, float] = {}
+        scale = self._grad_scale_used
+        for i, layer in enumerate(self._names):
+            if sums.act_numel[i] > 0:
+                figures[f"precision/act_absmax/{layer}"] = maxima.act_absmax[i]
+                figures[f"precision/act_headroom/{layer}"] = _headroom(maxima.act_absmax[i])
+                figures[f"precision/act_nonfinite/{layer}"] = sums.act_nonfinite[i] / sums.act_numel[i]
+            if sums.grad_numel[i] > 0:
+                figures[f"precision/grad_absmax/{layer}"] = maxima.grad_absmax[i]
+                figures[f"precision/grad_headroom/{layer}"] = _headroom(maxima.grad_absmax[i] * scale)
+                figures[f"precision/grad_underflow/{layer}"] = sums.grad_underflow[i] / sums.grad_numel[i]
+                figures[f"precision/grad_nonfinite/{layer}"] = sums.grad_nonfinite[i] / sums.grad_numel[i]
+        return figures
+
     # ------------------------------------------------------------------ per-layer figures (logging steps only)
     def _forward_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for t in _floating_tensors(output):
                 t = _local(t.detach())
-                self._act[index].append((_absmax(t), (~torch.isfinite(t)).sum(), t.numel()))
+                self._act[index].append(_LayerOutput(_absmax(t), (~torch.isfinite(t)).sum(), t.numel()))
 
         return hook
 
@@ -426,28 +531,30 @@ class PrecisionMonitor(Callback):
                 grads = [g for g in grads if g.numel() > 0]
                 if not grads:
                     continue
-                absmax = torch.stack([_absmax(g) for g in grads]).max() / seen_scale
-                under: Tensor | int = sum((g.abs() < threshold).sum() for g in grads)
-                bad: Tensor | int = sum((~torch.isfinite(g)).sum() for g in grads)
-                numel = sum(g.numel() for g in grads)
-                if i in self._grad:  # several optimizers step in one batch
-                    a, u, b, n = self._grad[i]
-                    absmax, under, bad, numel = torch.maximum(a, absmax), u + under, b + bad, n + numel
-                self._grad[i] = (absmax, under, bad, numel)
+                figures = _LayerGrads(
+                    absmax=torch.stack([_absmax(g) for g in grads]).max() / seen_scale,
+                    underflow=sum((g.abs() < threshold).sum() for g in grads),
+                    nonfinite=sum((~torch.isfinite(g)).sum() for g in grads),
+                    numel=sum(g.numel() for g in grads),
+                )
+                earlier = self._grad.get(i)  # several optimizers step in one batch
+                self._grad[i] = figures if earlier is None else earlier.merge(figures)
 
-    def _layer_vectors(self, device: torch.device) -> tuple[Tensor, Tensor]:
+    def _layer_vectors(self, device: torch.device) -> tuple[_LayerMaxima, _LayerCounts]:
+        """This rank's per-layer figures as device vectors (zeros for a layer without outputs or gradients)."""
         n = len(self._names)
-        maxima = torch.zeros(2 * n, dtype=torch.float64, device=device)
-        sums = torch.zeros(5 * n, dtype=torch.float64, device=device)
-        for i, entries in self._act.items():
-            maxima[i] = torch.stack([e[0] for e in entries]).max().to(device, torch.float64)
-            sums[i] = torch.stack([e[1] for e in entries]).sum().to(device, torch.float64)
-            sums[n + i] = float(sum(e[2] for e in entries))
-        for i, (absmax, under, bad, numel) in self._grad.items():
-            maxima[n + i] = absmax.to(device, torch.float64)
-            sums[2 * n + i] = torch.as_tensor(under).to(device, torch.float64)
-            sums[3 * n + i] = torch.as_tensor(bad).to(device, torch.float64)
-            sums[4 * n + i] = float(numel)
+        f64 = torch.float64
+        maxima = _LayerMaxima(*torch.zeros(len(_LayerMaxima._fields), n, dtype=f64, device=device))  # (row views)
+        sums = _LayerCounts(*torch.zeros(len(_LayerCounts._fields), n, dtype=f64, device=device))
+        for i, outputs in self._act.items():
+            maxima.act_absmax[i] = torch.stack([o.absmax for o in outputs]).max().to(device, f64)
+            sums.act_nonfinite[i] = torch.stack([o.nonfinite for o in outputs]).sum().to(device, f64)
+            sums.act_numel[i] = float(sum(o.numel for o in outputs))
+        for i, grads in self._grad.items():
+            maxima.grad_absmax[i] = grads.absmax.to(device, f64)
+            sums.grad_underflow[i] = torch.as_tensor(grads.underflow).to(device, f64)
+            sums.grad_nonfinite[i] = torch.as_tensor(grads.nonfinite).to(device, f64)
+            sums.grad_numel[i] = float(grads.numel)
         return maxima, sums
 
     def _remove_hooks(self) -> None:
@@ -459,9 +566,9 @@ class PrecisionMonitor(Callback):
     def _draw(self, path: str) -> None:
         from matplotlib.figure import Figure  # optional dependency, checked at construction
 
-        steps = [h[0] for h in self.history]
-        scales = [h[1] for h in self.history]
-        skipped = [h[2] for h in self.history]
+        steps = [h.step for h in self.history]
+        scales = [h.loss_scale for h in self.history]
+        skipped = [h.skipped_steps for h in self.history]
         has_scale = any(s is not None for s in scales)
         figure = Figure(figsize=(7, 5 if has_scale else 3), layout="constrained")
         axes = figure.subplots(2 if has_scale else 1, 1, sharex=True, squeeze=False)[:, 0]
@@ -495,7 +602,9 @@ class PrecisionMonitor(Callback):
         )
         window = state_dict.get("window_start")
         self._window_start = (int(window[0]), int(window[1])) if window is not None else None
-        self.history = [(int(s), None if v is None else float(v), int(k)) for s, v, k in state_dict.get("history", [])]
+        self.history = [
+            _HistoryEntry(int(s), None if v is None else float(v), int(k)) for s, v, k in state_dict.get("history", [])
+        ]
 
 
 class ThroughputMonitor(_LightningThroughputMonitor):
@@ -615,6 +724,12 @@ def _absmax(t: Tensor) -> Tensor:
     """Largest |value| in one read-only pass (NaN if any NaN), as float32."""
     low, high = torch.aminmax(_local(t.detach()))
     return torch.maximum(high.float(), low.float().neg_())
+
+
+def _per_layer(values: list[float], n_figures: int) -> list[list[float]]:
+    """``values`` (one figure's layers after another's) cut into ``n_figures`` lists of one entry per layer."""
+    n = len(values) // n_figures
+    return [values[k * n : (k + 1) * n] for k in range(n_figures)]
 
 
 def _headroom(absmax: float) -> float:
