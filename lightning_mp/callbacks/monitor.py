@@ -46,7 +46,6 @@ FP16_MAX = float(torch.finfo(torch.float16).max)
 FP16_TINY = float(torch.finfo(torch.float16).tiny)
 
 
-
 class _Counts(NamedTuple):
     """The skip counts of a logging step: MPPlugin's ``StepStats``, or the monitor's own with a native scaler."""
 
