@@ -165,6 +165,10 @@ def _fp32_weights_take(
             # (weights written after the last step, e.g. an EMA average put in at the end of fit, keep their values)
             if saved_dtype is not None and not torch.equal(value.to(saved_dtype), param.to(saved_dtype)):
                 continue
+            # a weight the checkpoint holds with more than half precision (an fp32 average saved in its place) is
+            # more exact than a master that rounds to it
+            if saved_dtype is not None and not torch.equal(param.to(saved_dtype).float(), param):
+                continue
             param.copy_(value)
             restored += 1
     return restored

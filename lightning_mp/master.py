@@ -18,10 +18,14 @@ written into the weight. Four ways to deal with it, chosen with ``MPPlugin(maste
 
 Three invariants hold by construction:
 
-1. **The model's parameters are the truth.** Each parameter carries a stamp (its storage and version counter)
-   taken when the masters last wrote it. A parameter whose stamp differs was written by someone else (the user,
-   a callback that averages or prunes weights, ``load_state_dict``): its master is derived from it again, and
-   Kahan compensation is dropped. The check reads two integers per parameter on the host: no device sync.
+1. **The model's parameters are the truth.** Before each step the masters are compared with the weights on the
+   device: a master that still rounds to its weight, every element, keeps its low bits (also where the weight was
+   written with the values it had: ``Embedding(max_norm=...)`` that renormalises nothing, an average swapped in for
+   validation and back); a weight with any value changed gives its master its values (low bits that coincide
+   belong to another value), and a Kahan compensation that no longer rounds away against its weight is dropped.
+   So a weight written by anyone, however (in place, through ``.data``, which a version counter does not see,
+   ``copy_``, ``load_state_dict``, a callback that averages, clips or prunes), is where the next step starts. One
+   pass over the weights and the masters a step, no host sync.
 2. **Every parameter the optimizer steps has its master, whenever it joins**: masters are made at the step for
    whatever half-precision parameters the optimizer's param groups hold then (unfrozen layers, new param groups,
    a second model).
@@ -83,6 +87,8 @@ FLAT_GRADS_MAX_NUMEL = 1 << 26
 
 #: fp32 values of parameters cast to half by :func:`cast_module_`, with the stamp the cast left: param -> (fp32, stamp)
 _FP32_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: the tensors among those that :func:`downcast_kept_` cast at the end of a run (the FP32-guarded modules')
+_KEPT_AFTER_RUN: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def stamp(param: Tensor) -> tuple[int, int]:
@@ -113,18 +119,17 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, *, keep_fp32: Iterable[s
     """Cast ``module``'s floating parameters and buffers to ``dtype`` in place, except inside ``keep_fp32``.
 
     ``keep_fp32`` names submodules (e.g. the FP32 guards from :func:`lightning_mp.guards.apply_fp32_guards`)
-    whose parameters and buffers (BatchNorm running statistics included) stay fp32, also where a parameter
-    is shared with a cast module. Parameter objects are kept (``param.data`` is replaced), so optimizers made
-    before or after see the same objects; the fp32 tensors replaced are remembered (not copied) so master
-    weights made later start from them (:func:`fp32_original`). Idempotent. Returns the number of tensors cast.
+    whose parameters and buffers (BatchNorm running statistics included) stay fp32. A tensor such a submodule
+    shares with a module outside them (an LM head tied to the embedding, with the head guarded) is cast with the
+    rest: the unguarded module computes with it in ``dtype``, so the activations stay half, and the guard upcasts
+    it for the guarded module's own compute. Parameter objects are kept (``param.data`` is replaced), so ties and
+    optimizers made before or after see the same objects; the fp32 tensors replaced are remembered (not copied)
+    so master weights made later start from them (:func:`fp32_original`). Idempotent. Returns the number of
+    tensors cast.
     """
-    keep_ids: set[int] = set()
-    kept_modules: set[int] = set()
-    for name in keep_fp32:
-        sub = module.get_submodule(name)
-        kept_modules.update(id(m) for m in sub.modules())
-        keep_ids.update(id(t) for t in (*sub.parameters(), *sub.buffers()))
-    cast = upcast_kept_(module, keep_fp32)
+    kept_modules, keep_ids = _kept(module, keep_fp32)
+    cast = _upcast(module, kept_modules, keep_ids)
+    done: dict[int, Tensor] = {}  # buffers cast: a buffer two modules hold stays one tensor
     with torch.no_grad():
         for sub in module.modules():
             if id(sub) in kept_modules:
@@ -137,11 +142,10 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, *, keep_fp32: Iterable[s
                         param.grad = None  # a gradient of the old dtype cannot stay on the cast parameter
                     if original.dtype == torch.float32 and dtype in _HALF:
                         _FP32_ORIGINALS[param] = (original, stamp(param))
-                    keep_ids.add(id(param))  # shared parameters are cast once
                     cast += 1
             for key, buf in sub._buffers.items():
                 if buf is not None and buf.is_floating_point() and id(buf) not in keep_ids and buf.dtype != dtype:
-                    sub._buffers[key] = buf.to(dtype)
+                    sub._buffers[key] = _cast_once(buf, dtype, done)
                     cast += 1
             if hasattr(sub, "_dtype") and isinstance(getattr(sub, "_dtype"), torch.dtype):
                 # LightningModule.dtype reports the training dtype, as Lightning's HalfPrecision
@@ -150,27 +154,114 @@ def cast_module_(module: nn.Module, dtype: torch.dtype, *, keep_fp32: Iterable[s
 
 
 def upcast_kept_(module: nn.Module, keep_fp32: Iterable[str]) -> int:
-    """The FP32-guarded submodules' 16-bit parameters and buffers become fp32 (a model the user cast to half).
+    """The FP32-guarded submodules' 16-bit parameters and buffers become fp32 (a model the user cast to half, or
+    one :func:`downcast_kept_` left half after a run: those get back the exact fp32 values they had).
 
-    In place (``param.data`` replaced, parameter objects kept); returns the number of tensors cast.
+    Tensors shared with modules outside ``keep_fp32`` keep their dtype (see :func:`cast_module_`). In place
+    (``param.data`` replaced, parameter objects kept); returns the number of tensors cast.
     """
+    return _upcast(module, *_kept(module, keep_fp32))
+
+
+def downcast_kept_(module: nn.Module, dtype: torch.dtype, keep_fp32: Iterable[str]) -> int:
+    """The end of a true-half run: what :func:`cast_module_` kept fp32 becomes ``dtype`` too, so the module is what
+    Lightning's ``precision="bf16-true"``/``"16-true"`` leaves (every floating parameter and buffer half: it runs
+    in its own dtype, guards or not). The fp32 tensors replaced are remembered (not copied): the next run's
+    :func:`upcast_kept_` gives them back exactly, unless they are written in between. Returns the number cast."""
+    kept_modules, keep_ids = _kept(module, keep_fp32)
     cast = 0
-    seen: set[int] = set()
+    done: dict[int, Tensor] = {}
     with torch.no_grad():
-        for name in keep_fp32:
-            for sub in module.get_submodule(name).modules():
-                for param in sub.parameters(recurse=False):
-                    if param.dtype in _HALF and id(param) not in seen:
-                        param.data = param.data.float()
-                        if param.grad is not None:
-                            param.grad = None
-                        seen.add(id(param))
-                        cast += 1
-                for key, buf in sub._buffers.items():
-                    if buf is not None and buf.dtype in _HALF:
-                        sub._buffers[key] = buf.float()
-                        cast += 1
+        for sub in module.modules():
+            if id(sub) not in kept_modules:
+                continue
+            for param in sub.parameters(recurse=False):
+                if id(param) in keep_ids and param.is_floating_point() and param.dtype != dtype:
+                    original = param.data
+                    param.data = original.to(dtype)
+                    if param.grad is not None:
+                        param.grad = param.grad.to(dtype)  # as Lightning's plugin leaves it: in the weight's dtype
+                    _remember(param, original, dtype)
+                    cast += 1
+            for key, buf in sub._buffers.items():
+                if buf is not None and id(buf) in keep_ids and buf.is_floating_point() and buf.dtype != dtype:
+                    sub._buffers[key] = half = _cast_once(buf, dtype, done)
+                    _remember(half, buf, dtype)
+                    cast += 1
     return cast
+
+
+def _remember(tensor: Tensor, original: Tensor, dtype: torch.dtype) -> None:
+    if original.dtype == torch.float32 and dtype in _HALF:
+        _FP32_ORIGINALS[tensor] = (original, stamp(tensor))
+        _KEPT_AFTER_RUN[tensor] = True
+
+
+def fp32_state_dict_(state: dict[str, Any], module: nn.Module) -> int:
+    """The entries of ``state`` (``module.state_dict()``) whose tensors :func:`downcast_kept_` cast to half at the
+    end of a run get their fp32 values back, where those still hold: a checkpoint written after a true-half run
+    holds the guarded modules' fp32 weights, as one written during it does, so a resume from it goes on bit for
+    bit. Returns the number of entries replaced."""
+    replaced = 0
+    named = (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False))
+    for name, tensor in named:
+        if name in state and tensor in _KEPT_AFTER_RUN:
+            original = fp32_original(tensor)
+            if original is not None:
+                state[name] = original
+                replaced += 1
+    return replaced
+
+
+def _kept(module: nn.Module, keep_fp32: Iterable[str]) -> tuple[set[int], set[int]]:
+    """The ids of the modules inside the submodules ``keep_fp32`` names, and of the tensors they keep fp32: the
+    parameters and buffers those modules hold that no module outside them holds too."""
+    kept_modules: set[int] = set()
+    for name in keep_fp32:
+        kept_modules.update(id(m) for m in module.get_submodule(name).modules())
+    inside: set[int] = set()
+    outside: set[int] = set()
+    for sub in module.modules():
+        held = inside if id(sub) in kept_modules else outside
+        held.update(id(t) for t in (*sub._parameters.values(), *sub._buffers.values()) if t is not None)
+    return kept_modules, inside - outside
+
+
+def _upcast(module: nn.Module, kept_modules: set[int], keep_ids: set[int]) -> int:
+    cast = 0
+    done: dict[int, Tensor] = {}
+    with torch.no_grad():
+        for sub in module.modules():
+            if id(sub) not in kept_modules:
+                continue
+            for param in sub.parameters(recurse=False):
+                if param.dtype in _HALF and id(param) in keep_ids:
+                    param.data = _fp32_value(param)
+                    if param.grad is not None:
+                        param.grad = None
+                    cast += 1
+            for key, buf in sub._buffers.items():
+                if buf is not None and buf.dtype in _HALF and id(buf) in keep_ids:
+                    if id(buf) not in done:
+                        done[id(buf)] = _fp32_value(buf)
+                    sub._buffers[key] = done[id(buf)]
+                    cast += 1
+    return cast
+
+
+def _cast_once(buf: Tensor, dtype: torch.dtype, done: dict[int, Tensor]) -> Tensor:
+    """``buf`` cast to ``dtype``; the same tensor for every module that holds it (``done``: id -> cast)."""
+    if id(buf) not in done:
+        done[id(buf)] = buf.to(dtype)
+    return done[id(buf)]
+
+
+def _fp32_value(tensor: Tensor) -> Tensor:
+    """``tensor`` in fp32: the exact fp32 values it was cast from where they are remembered and still hold."""
+    original = fp32_original(tensor)
+    forget_fp32_original(tensor)
+    _KEPT_AFTER_RUN.pop(tensor, None)
+    return original.to(tensor.device) if original is not None else tensor.detach().float()
 
 
 def stochastic_round(x: Tensor, dtype: torch.dtype, generator: Optional[torch.Generator] = None) -> Tensor:
@@ -331,6 +422,11 @@ class MasterWeights:
 
     def _rederive(self, entry: _Entry) -> None:
         """The parameter was written from outside: start its master (or compensation) from its value."""
+        self._resync([entry])
+
+    def _resync(self, entries: Sequence[_Entry]) -> None:
+        """Reconcile what is held with the weights, element by element, on the device (see the module docstring):
+        whatever wrote a weight, however, the weight is the truth. Nothing to do where only the weights are kept."""
 
     def _fp32_value(self, entry: _Entry) -> Tensor:
         """The fp32 value the optimizer steps for this parameter (a new tensor unless the master itself)."""
@@ -418,6 +514,7 @@ class MasterWeights:
                     grad = param.grad
                     if grad is None and entry.acc is None and not every:
                         continue
+                    self._resync([entry])
                     standin = self._standin(entry)
                     if grad is None:
                         g32 = entry.acc  # (None with ``every``: no gradient yet)
@@ -594,10 +691,9 @@ class MasterWeights:
         return {"kind": self.kind, "dtype": _DTYPE_NAMES.get(self.dtype, str(self.dtype))}
 
     def _refresh_all(self) -> None:
+        self._resync(list(self._entries.values()))
         for entry in self._entries.values():
-            if entry.stamp != stamp(entry.param):
-                self._rederive(entry)
-                entry.stamp = stamp(entry.param)
+            entry.stamp = stamp(entry.param)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`, keeping only what still fits the model's weights.
@@ -658,7 +754,7 @@ class MasterWeights:
 def _upcast_eager_state(optimizer: Optimizer) -> None:
     """State an optimizer made in its constructor from the half parameters (Adagrad's ``sum``) becomes fp32, as the
     state every other optimizer makes at its first step from the fp32 stand-ins: in fp16 an eps-sized accumulator
-    underflows, and 0/0 makes the weights NaN."""
+    underflows, and 0/0 makes the weights NaN. Also the state of the optimizers ``optimizer`` wraps."""
     for state in _states_of(optimizer):
         for param, values in state.items():
             if isinstance(param, Tensor) and param.dtype in _HALF and isinstance(values, dict):
@@ -668,24 +764,54 @@ def _upcast_eager_state(optimizer: Optimizer) -> None:
 
 
 #: optimizer -> the optimizers it wraps (found once per optimizer: the swaps read it on every step)
-_WRAPPED: "weakref.WeakKeyDictionary[Optimizer, tuple[Optimizer, ...]]" = weakref.WeakKeyDictionary()
+_WRAPPED: "weakref.WeakKeyDictionary[Any, tuple[Any, ...]]" = weakref.WeakKeyDictionary()
 
 
 def wrapped_optimizers(optimizer: Optimizer) -> tuple[Optimizer, ...]:
-    """The optimizers ``optimizer`` wraps over the same parameters (SAM's ``base_optimizer``), found once."""
+    """The optimizers ``optimizer`` wraps over the same parameters (SAM's ``base_optimizer``, Lookahead's
+    ``_base_optimizer``), and those they wrap in turn, found once.
+
+    Found among the attributes: torch optimizers, and objects typed by duck as Lightning accepts them (a
+    ``param_groups`` list and a ``state`` dict), so a wrapper that is no ``Optimizer`` subclass is looked through
+    too."""
     inner = _WRAPPED.get(optimizer)
     if inner is None:
-        inner = _WRAPPED[optimizer] = tuple(
-            o for o in vars(optimizer).values() if isinstance(o, Optimizer) and o is not optimizer
-        )
+        inner = tuple(_wrapped(optimizer, {id(optimizer)}))
+        try:
+            _WRAPPED[optimizer] = inner
+        except TypeError:  # (an object without weak references: found again at each call)
+            pass
     return inner
+
+
+def _wrapped(optimizer: Any, seen: set[int]) -> Iterator[Any]:
+    for value in list(getattr(optimizer, "__dict__", {}).values()):
+        if id(value) in seen or not _is_optimizer(value):
+            continue
+        seen.add(id(value))
+        yield value
+        yield from _wrapped(value, seen)
+
+
+def _is_optimizer(value: Any) -> bool:
+    if isinstance(value, Optimizer):
+        return True
+    if isinstance(value, (Tensor, nn.Module, dict, list, tuple, str, int, float)) or value is None:
+        return False  # (the common attributes, answered without a look at theirs)
+    return isinstance(getattr(value, "param_groups", None), list) and isinstance(getattr(value, "state", None), dict)
 
 
 def _states_of(optimizer: Optimizer) -> list[dict]:
     """The state of ``optimizer`` and of the optimizers it wraps: all are keyed by the parameters, so all follow a
-    swap (read each time: ``load_state_dict`` replaces an optimizer's state dict)."""
-    inner = wrapped_optimizers(optimizer)
-    return [optimizer.state, *(o.state for o in inner)] if inner else [optimizer.state]
+    swap (read each time: ``load_state_dict`` replaces an optimizer's state dict). Each dict once, also where a
+    wrapper's ``state`` is its base optimizer's."""
+    own = getattr(optimizer, "state", None)
+    states = [own] if isinstance(own, dict) else []
+    for inner in wrapped_optimizers(optimizer):
+        state = getattr(inner, "state", None)
+        if isinstance(state, dict) and not any(state is s for s in states):
+            states.append(state)
+    return states
 
 
 def _grad_stamp(param: Tensor) -> Optional[tuple[int, int]]:
@@ -700,8 +826,31 @@ def _half_params(optimizer: Optimizer) -> Iterator[Tensor]:
                 yield param
 
 
+#: the optimizers whose ``load_state_dict`` keeps fp32 state for half parameters (hooked once each)
+_KEEPS_FP32: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+#: what torch's ``Optimizer.load_state_dict`` reads its hooks from (``Optimizer.__init__`` makes them; a wrapper that
+#: never runs it, as timm's Lookahead, has none)
+_LOAD_HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
 def _keep_state_fp32_on_load(optimizer: Optimizer) -> None:
-    """Loading an optimizer state casts it to each parameter's dtype: keep it fp32 for the half parameters."""
+    """Loading an optimizer state casts it to each parameter's dtype: keep it fp32 for the half parameters.
+
+    The cast is torch's ``Optimizer.load_state_dict``: its load hooks are taken on every optimizer of the chain
+    (``optimizer`` and those it wraps) that can run it, which is every one that holds torch's hook dicts. One
+    without them (a wrapper that never ran ``Optimizer.__init__``, or no ``Optimizer`` at all) cannot run torch's
+    cast on itself: its ``load_state_dict`` hands the state to the optimizers it wraps, which are hooked, or loads
+    it without a cast.
+    """
+    for owner in (optimizer, *wrapped_optimizers(optimizer)):
+        if isinstance(owner, Optimizer) and owner not in _KEEPS_FP32 and all(
+            isinstance(getattr(owner, "__dict__", {}).get(name), dict) for name in _LOAD_HOOKS
+        ):
+            _hook_fp32_load(owner)
+            _KEEPS_FP32.add(owner)
+
+
+def _hook_fp32_load(optimizer: Optimizer) -> None:
     swaps: list[tuple[list, int, Tensor, Tensor]] = []
 
     def before_load(opt: Optimizer, state_dict: dict) -> None:
@@ -715,11 +864,14 @@ def _keep_state_fp32_on_load(optimizer: Optimizer) -> None:
                     swaps.append((params, i, param, stand_in))
 
     def after_load(opt: Optimizer) -> None:
+        # (every state of the chain: param groups shared with a wrapped optimizer were swapped for it too)
+        states = _states_of(opt)
         while swaps:
             params, i, param, stand_in = swaps.pop()
             params[i] = param
-            if stand_in in opt.state:
-                opt.state[param] = opt.state.pop(stand_in)
+            for state in states:
+                if stand_in in state:
+                    state[param] = state.pop(stand_in)
 
     optimizer.register_load_state_dict_pre_hook(before_load)
     optimizer.register_load_state_dict_post_hook(after_load)
@@ -801,14 +953,14 @@ class _Layout:
     mirror: _StateMirror
     #: whether the optimizer wraps others (SAM's ``base_optimizer``): their state follows key by key
     wraps: bool
-    #: the half parameters' version counters when the entries' stamps were last found equal to theirs (the masters
-    #: write the weights through ``.data`` aliases, which leaves the counters alone)
-    versions: list[int] = field(default_factory=list)
     requires_grad: list[bool] = field(default_factory=list)  # the stand-ins' flags, as last set
     #: small layouts (:data:`FLAT_GRADS_MAX_NUMEL`): the fp32 gradients' flat buffer and its views, one a parameter
     #: (kept on the masters as their ``.grad`` from step to step)
     flat: Optional[Tensor] = None
     views: Optional[list[Tensor]] = None
+    #: with ``flat``: the masters' own flat buffer (their ``.data`` are views of it), and the weights' sizes in it
+    mflat: Optional[Tensor] = None
+    sizes: Optional[Tensor] = None
 
     def fits(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s param groups still hold the lists and parameters this layout was made for."""
@@ -919,10 +1071,25 @@ class FP32MasterWeights(MasterWeights):
                                     for p in half):
             return None
         total, device = sum(p.numel() for p in half), devices.pop()
-        flat = views = None
+        flat = views = mflat = None
         if total <= FLAT_GRADS_MAX_NUMEL and all(p.is_contiguous() for p in half):  # (a view is contiguous)
+            sizes = [p.numel() for p in half]
             flat = torch.empty(total, dtype=torch.float32, device=device)
-            views = [v.view(p.shape) for v, p in zip(flat.split([p.numel() for p in half]), half)]
+            views = [v.view(p.shape) for v, p in zip(flat.split(sizes), half)]
+            # the masters move into one flat buffer too (the same Parameter objects): the reconciliation with the
+            # weights before each step is then one kernel for all of them
+            mflat = torch.empty(total, dtype=torch.float32, device=device)
+            with torch.no_grad():
+                for entry, v, p in zip(entries, mflat.split(sizes), half):
+                    held = cast(nn.Parameter, entry.held)
+                    if held.device != device:
+                        break
+                    v.view(p.shape).copy_(held.detach())
+                    held.data = v.view(p.shape)
+                else:
+                    v = None
+            if v is not None:  # a master on another device: no flat masters
+                mflat = None
         standins = {id(r.standin): r.param for r in records}
         return _Layout(
             half=half, entries=entries, records=records, others=others, total=total, device=device,
@@ -931,7 +1098,8 @@ class FP32MasterWeights(MasterWeights):
             masters=[r.standin for r in records], groups=groups,
             mirror=_StateMirror({id(r.param): r.standin for r in records}, standins),
             wraps=bool(wrapped_optimizers(optimizer)),
-            versions=[e.stamp[1] for e in entries], flat=flat, views=views,
+            flat=flat, views=views, mflat=mflat,
+            sizes=None if mflat is None else torch.tensor([p.numel() for p in half], device=device),
         )
 
     def _gather_planned(self, optimizer: Optimizer, check: bool) -> Optional[StepRecords]:
@@ -956,11 +1124,6 @@ class FP32MasterWeights(MasterWeights):
         if list(map(Tensor.data_ptr, half)) != layout.ptrs:  # a storage replaced: aliases and layout made again
             self._layouts.pop(optimizer, None)
             return None
-        versions = list(map(_VERSION, half))
-        if versions != layout.versions:
-            for param in half:
-                self._entry(param)  # written by someone else since our last write: derived again where it was
-            layout.versions = versions
         requires_grad = list(map(_REQUIRES_GRAD, half))
         if requires_grad != layout.requires_grad:
             for master, flag in zip(layout.masters, requires_grad):
@@ -968,6 +1131,7 @@ class FP32MasterWeights(MasterWeights):
             layout.requires_grad = requires_grad
         masters, views = layout.masters, layout.views
         with torch.no_grad():
+            self._resync_layout(layout)
             if missing is None:
                 # small layouts: the flat buffer's views, made once; else one allocation a gradient, freed after the
                 # step
@@ -1031,14 +1195,30 @@ class FP32MasterWeights(MasterWeights):
             value = param.detach().to(torch.float32, copy=True)
         return nn.Parameter(value, requires_grad=param.requires_grad)
 
-    def _rederive(self, entry: _Entry) -> None:
+    def _resync(self, entries: Sequence[_Entry]) -> None:
         with torch.no_grad():
-            weight, master = entry.param.detach(), cast(Tensor, entry.held).detach()
-            # (after fit, Lightning's teardown moves the model to the CPU; the masters stay where they are)
-            weight = weight if weight.device == master.device else weight.to(master.device)
-            # elements written with the value they had (Embedding(max_norm=...) renormalises in place on every
-            # forward) keep their master's low bits; the others start from the weight. On the device: no sync
-            master.copy_(torch.where(master.to(weight.dtype) == weight, master, weight.float()))
+            for entry in entries:
+                weight, master = entry.param.detach(), cast(Tensor, entry.held).detach()
+                # (after fit, Lightning's teardown moves the model to the CPU; the masters stay where they are)
+                weight = weight if weight.device == master.device else weight.to(master.device)
+                # a weight written with the values it had (Embedding(max_norm=...) that renormalises nothing, an
+                # average swapped in for validation and back) keeps its master's low bits; a weight with any value
+                # changed starts from its values (low bits that coincide belong to another value)
+                keep = master.to(weight.dtype).eq(weight).all()
+                torch.where(keep, master, weight, out=master)
+
+    def _resync_layout(self, layout: _Layout) -> None:
+        """:meth:`_resync` for a planned layout: with its masters in one flat buffer, six kernels for all of them
+        (the weights, upcast into the flat gradient buffer before the gradients fill it, are compared there)."""
+        if layout.mflat is None or layout.sizes is None or layout.flat is None or layout.views is None:
+            self._resync(layout.entries)
+            return
+        torch._foreach_copy_(layout.views, layout.half)
+        weights, masters, sizes = layout.flat, layout.mflat, layout.sizes
+        same = masters.to(layout.half[0].dtype).eq(weights).to(torch.float32)
+        keep = torch.segment_reduce(same, "min", lengths=sizes, unsafe=True)  # per weight: 1 where none changed
+        keep = keep.repeat_interleave(sizes, output_size=layout.total).bool()
+        torch.where(keep, masters, weights, out=masters)
 
     def _standin(self, entry: _Entry) -> nn.Parameter:
         held = cast(nn.Parameter, entry.held)  # the fp32 kind's masters are Parameters (_new_held)
@@ -1050,9 +1230,8 @@ class FP32MasterWeights(MasterWeights):
         entry = self._entries.get(id(param))
         if entry is None or entry.param is not param:
             return None
-        if entry.stamp != stamp(param):
-            self._rederive(entry)
-            entry.stamp = stamp(param)
+        self._resync([entry])
+        entry.stamp = stamp(param)
         return entry.held
 
     def _write(self, records: list[StepRecord], skip_flag: Optional[Tensor]) -> None:
@@ -1102,8 +1281,15 @@ class KahanCompensation(MasterWeights):
             comp.copy_(original.to(param.device, torch.float32) - param.detach().float())
         return comp
 
-    def _rederive(self, entry: _Entry) -> None:
-        cast(Tensor, entry.held).zero_()
+    def _resync(self, entries: Sequence[_Entry]) -> None:
+        # a compensation that no longer rounds away against its weight belongs to a value the weight no longer has
+        # (written since): the weight's compensation goes. Where every element's still does, it is kept (a weight
+        # written with the values it had; a write that moved no value by more than its compensation's half ulp)
+        with torch.no_grad():
+            for entry in entries:
+                weight, comp = entry.param.detach(), cast(Tensor, entry.held)
+                back = weight.float().add_(comp.float()).to(weight.dtype)
+                comp.mul_(back.eq(weight).all())
 
     def _fp32_value(self, entry: _Entry) -> Tensor:
         return entry.param.detach().float().add_(cast(Tensor, entry.held))
@@ -1303,8 +1489,10 @@ def attach_master_weights(
     if kind in ("none", "optimizer"):
         return None
     masters = existing if existing is not None and existing.kind == kind else _KINDS[kind]()
-    for optimizer in [optimizers] if isinstance(optimizers, Optimizer) else optimizers:
-        masters.attach(optimizer, module)
+    # (one optimizer: a torch optimizer, or one typed by duck as Lightning accepts it)
+    single = isinstance(optimizers, Optimizer) or hasattr(optimizers, "param_groups")
+    for optimizer in [optimizers] if single else optimizers:
+        masters.attach(cast(Optimizer, optimizer), module)
     return masters
 
 
