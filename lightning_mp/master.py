@@ -1491,7 +1491,7 @@ def attach_master_weights(
     masters = existing if existing is not None and existing.kind == kind else _KINDS[kind]()
     # (one optimizer: a torch optimizer, or one typed by duck as Lightning accepts it)
     single = isinstance(optimizers, Optimizer) or hasattr(optimizers, "param_groups")
-    for optimizer in [optimizers] if single else optimizers:
+    for optimizer in [optimizers] if single else cast(Sequence[Optimizer], optimizers):
         masters.attach(cast(Optimizer, optimizer), module)
     return masters
 
