@@ -10,7 +10,7 @@ weight); a buffer of a module without parameters belongs to every optimizer.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +19,11 @@ from torch.optim import Optimizer
 
 class BufferSnapshot:
     """Copies of a module's buffers taken before a step's forward passes, put back if the step is skipped.
+
+    What is put back is found by slot (a module's ``_buffers`` entry), not by tensor object: a buffer updated in place
+    (BatchNorm's running statistics) gets its values back, and one the forward pass re-assigned
+    (``self.ema = 0.9 * self.ema + 0.1 * h.mean(0)``, ``self.calls = self.calls + 1``) gets its slot back, holding
+    the tensor it held before with the values it had.
 
     Example::
 
@@ -29,12 +34,13 @@ class BufferSnapshot:
     """
 
     def __init__(self) -> None:
-        self._buffers: list[Tensor] = []
+        self._slots: list[tuple[dict, str]] = []  # where each buffer sits: its module's ``_buffers`` and key
+        self._buffers: list[Tensor] = []  # the tensors the slots held when the snapshot was taken
         self._copies: list[Tensor] = []
         self._owners: list[Optional[frozenset[int]]] = []  # ids of the optimizers a buffer belongs to (None: all)
-        # where the buffers sit and whom they belong to, found once and checked each step (a host walk per step
-        # costs more than the copy itself on small models)
-        self._plan: Optional[tuple[int, list[tuple[dict, str, Tensor]], list[Optional[frozenset[int]]]]] = None
+        # the slots and their owners, found once and checked each step (a host walk per step costs more than the
+        # copy itself on small models)
+        self._plan: Optional[tuple[int, list[tuple[dict, str]], list[Optional[frozenset[int]]]]] = None
 
     @property
     def taken(self) -> bool:
@@ -46,19 +52,21 @@ class BufferSnapshot:
 
     def take(self, module: nn.Module, optimizers: Iterable[Optimizer]) -> None:
         plan = self._plan
-        if plan is None or plan[0] != id(module) or any(slots.get(key) is not buf for slots, key, buf in plan[1]):
+        held = None if plan is None or plan[0] != id(module) else [slots.get(key) for slots, key in plan[1]]
+        if plan is None or held is None or any(buf is None or buf.is_inference() for buf in held):
+            # (a new module, or a slot emptied or holding an inference tensor since: found again)
             plan = self._plan = (id(module), *_find(module, optimizers))
-        slots, owners = plan[1], plan[2]
-        if not slots:
+            held = [slots[key] for slots, key in plan[1]]
+        buffers = cast(list[Tensor], held)
+        if not buffers:
             return
-        buffers = [buf for _, _, buf in slots]
         if len(self._copies) != len(buffers) or any(
             c.shape != b.shape or c.dtype != b.dtype or c.device != b.device for c, b in zip(self._copies, buffers)
         ):
             self._copies = [torch.empty_like(b) for b in buffers]  # reused from step to step
         with torch.no_grad():
             torch._foreach_copy_(self._copies, buffers)
-        self._buffers, self._owners = buffers, owners
+        self._slots, self._buffers, self._owners = plan[1], buffers, plan[2]
 
     def restore(self, optimizer: Optimizer, skipped: Optional[bool], found_inf: Optional[Tensor]) -> None:
         """``optimizer``'s step was skipped (``skipped=True``), or maybe (``None``: ``found_inf`` says, on the
@@ -71,30 +79,40 @@ class BufferSnapshot:
         with torch.no_grad():
             if skipped:
                 torch._foreach_copy_([self._buffers[i] for i in mine], [self._copies[i] for i in mine])
+                for i in mine:  # a re-assigned buffer: its slot gets the tensor it held back
+                    slots, key = self._slots[i]
+                    if slots.get(key) is not self._buffers[i]:
+                        slots[key] = self._buffers[i]
                 return
             assert found_inf is not None
             skip = found_inf.reshape(()).ne(0)
             for i in mine:
-                buf = self._buffers[i]
-                buf.copy_(torch.where(skip.to(buf.device), self._copies[i], buf))
+                slots, key = self._slots[i]
+                buf, copy = slots.get(key), self._copies[i]
+                if buf is None or buf.shape != copy.shape or buf.dtype != copy.dtype or buf.device != copy.device:
+                    # re-assigned with another shape or kind: which tensor the slot holds is the host's to decide
+                    if bool(skip):
+                        self._buffers[i].copy_(copy)
+                        slots[key] = self._buffers[i]
+                    continue
+                buf.copy_(torch.where(skip.to(buf.device), copy, buf))
 
     def drop(self) -> None:
         """The step is done: the next training step takes a new snapshot."""
-        self._buffers, self._owners = [], []
+        self._slots, self._buffers, self._owners = [], [], []
 
 
 def _find(
     module: nn.Module, optimizers: Iterable[Optimizer]
-) -> tuple[list[tuple[dict, str, Tensor]], list[Optional[frozenset[int]]]]:
-    """Every buffer of ``module`` (where it sits: its module's ``_buffers`` and key) and the optimizers it belongs
-    to."""
-    found: list[tuple[nn.Module, dict, str, Tensor]] = []
-    seen: set[int] = set()
-    for sub in module.modules():
-        for key, buf in sub._buffers.items():
-            if buf is not None and id(buf) not in seen and not buf.is_inference():
-                seen.add(id(buf))
-                found.append((sub, sub._buffers, key, buf))
+) -> tuple[list[tuple[dict, str]], list[Optional[frozenset[int]]]]:
+    """Every buffer slot of ``module`` (its module's ``_buffers`` and key) and the optimizers it belongs to."""
+    # (a buffer tensor two modules share sits in two slots: each gets it back)
+    found = [
+        (sub, sub._buffers, key)
+        for sub in module.modules()
+        for key, buf in sub._buffers.items()
+        if buf is not None and not buf.is_inference()
+    ]
     if not found:
         return [], []
     owner_of: dict[int, set[int]] = {}
@@ -103,7 +121,7 @@ def _find(
             for p in group["params"]:
                 owner_of.setdefault(id(p), set()).add(id(opt))
     owners: list[Optional[frozenset[int]]] = []
-    for sub, _, _, _ in found:
+    for sub, _, _ in found:
         own = set().union(*(owner_of.get(id(p), set()) for p in sub.parameters(recurse=False)))
         owners.append(frozenset(own) if own else None)
-    return [(slots, key, buf) for _, slots, key, buf in found], owners
+    return [(slots, key) for _, slots, key in found], owners
