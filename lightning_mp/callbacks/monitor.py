@@ -145,7 +145,8 @@ class PrecisionMonitor(Callback):
 
     Logged every ``log_every_n_steps`` optimizer steps, at the step index Lightning's own metrics use:
 
-    - ``precision/loss_scale``: the loss scale after the step's update (only when the loss is scaled);
+    - ``precision/loss_scale``: the loss scale after the step's update (only when the step scaled the loss; with
+      ``PrecisionSchedule``, the scale of the mode the step ran in, also when the schedule switches right after it);
     - ``precision/skipped_steps``: optimizer steps skipped for inf/NaN gradients so far;
     - ``precision/skip_rate``: the share of optimizer steps skipped since the previous logging step;
     - ``precision/spike_skips``: steps the loss-spike guard skipped so far (with ``MPPlugin(spike_sigma=...)``);
@@ -249,6 +250,7 @@ class PrecisionMonitor(Callback):
         self._native = _NativeSkips()
         self._logging_step = False
         self._stepped = False
+        self._step_scaler: Any = None  # the loss scaler the batch's optimizer step ran with (None: not scaled)
         self._grad_norm: Optional[Tensor] = None
         self._act: dict[int, list[_LayerOutput]] = defaultdict(list)  # per layer index
         self._grad: dict[int, _LayerGrads] = {}  # per layer index
@@ -369,6 +371,7 @@ class PrecisionMonitor(Callback):
         self._stepped = True
         stats = _mp_stats(trainer)
         scaler = trainer.scaler
+        self._step_scaler = scaler if scaler is not None and scaler.is_enabled() else None
         still_scaled = False
         if stats is None:
             self._native.steps += 1
@@ -397,17 +400,18 @@ class PrecisionMonitor(Callback):
         stepped, self._stepped = self._stepped, False
         if not stepped:
             return  # an accumulation micro-batch (or a step that did not run): the step is not over
+        step_scaler, self._step_scaler = self._step_scaler, None
         stats = _mp_stats(trainer)
         if stats is None:
             self._native.after_step(trainer.scaler)
         if self._logging_step:
-            self._log(trainer, pl_module, stats)
+            self._log(trainer, pl_module, stats, step_scaler)
             self._logging_step = False
             self._remove_hooks()
 
     # ------------------------------------------------------------------ reading
-    def _log(self, trainer: Trainer, pl_module: LightningModule, stats: Optional[StepStats]) -> None:
-        counts = self._counts(trainer, stats)
+    def _log(self, trainer: Trainer, pl_module: LightningModule, stats: Optional[StepStats], step_scaler: Any) -> None:
+        counts = self._counts(trainer, stats, step_scaler)
         grad_norm, self._grad_norm = self._grad_norm, None
         scalars, maxima, sums = self._agree(counts, self._skip_rate(counts), grad_norm)
         self._act.clear()
@@ -429,14 +433,16 @@ class PrecisionMonitor(Callback):
             if metrics:
                 pl_module.log_dict(metrics, prog_bar=prog_bar, logger=False, on_step=True, on_epoch=False)
 
-    def _counts(self, trainer: Trainer, stats: Optional[StepStats]) -> _Counts:
-        if stats is not None:
-            read = stats.as_dict()  # one host copy
-            spikes = read.get("spike_skips") if getattr(stats, "_spike", None) is not None else None
-            return _Counts(read["steps"], read["skipped_steps"], read["consecutive_skips"], read["loss_scale"], spikes)
-        scaler = trainer.scaler
-        loss_scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else None
-        return _Counts(*self._native.read(), loss_scale, None)
+    def _counts(self, trainer: Trainer, stats: Optional[StepStats], step_scaler: Any) -> _Counts:
+        """The counts after the step, and the loss scale of the scaler the step ran with: a callback ahead of this
+        one (``PrecisionSchedule``) may have switched the mode since, and with it the scaler."""
+        if stats is None:
+            return _Counts(*self._native.read(), _scale_of(step_scaler), None)
+        read = stats.as_dict()  # one host copy
+        spikes = read.get("spike_skips") if getattr(stats, "_spike", None) is not None else None
+        # (read's loss scale is the scaler's in force now: the step's unless the mode changed since)
+        loss_scale = read["loss_scale"] if step_scaler is trainer.scaler else _scale_of(step_scaler)
+        return _Counts(read["steps"], read["skipped_steps"], read["consecutive_skips"], loss_scale, spikes)
 
     def _skip_rate(self, counts: _Counts) -> float:
         """The share of optimizer steps skipped since the previous logging step (its window starts here)."""
@@ -723,6 +729,11 @@ def _absmax(t: Tensor) -> Tensor:
     """Largest |value| in one read-only pass (NaN if any NaN), as float32."""
     low, high = torch.aminmax(_local(t.detach()))
     return torch.maximum(high.float(), low.float().neg_())
+
+
+def _scale_of(scaler: Any) -> Optional[float]:
+    """A loss scaler's scale (``None`` for no scaler: the loss was not scaled)."""
+    return scaler.get_scale() if scaler is not None else None
 
 
 def _per_layer(values: list[float], n_figures: int) -> list[list[float]]:

@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import throughput_monitor as throughput_module
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-from lightning_mp import MPPlugin, PrecisionSchedule, ThroughputMonitor
+from lightning_mp import MPPlugin, PrecisionMonitor, PrecisionSchedule, ThroughputMonitor
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 
@@ -194,3 +194,35 @@ def test_a_second_fit_with_another_plugin_uses_that_plugins_peak(second):
     assert_peaks_follow_the_batches(rows, model.seen_dtypes)
     assert throughput.available_flops == fresh.available_flops
     assert throughput.compute_dtype is fresh.compute_dtype  # None with Lightning's plugins: their dtype is theirs
+
+
+# ---------------------------------------------------------------------------------------------- PrecisionMonitor
+class ScaleAfterStep(Callback):
+    """The oracle: the loss scale of the scaler the step ran with, read after the step (``None``: not scaled)."""
+
+    def __init__(self) -> None:
+        self.scales: list = []
+        self._scaler = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._scaler = trainer.scaler  # MPPlugin.scaler: the scaler that scales, or None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.scales.append(None if self._scaler is None else self._scaler.get_scale())
+
+
+@pytest.mark.parametrize("monitor_first", [True, False], ids=["monitor-first", "schedule-first"])
+@pytest.mark.parametrize(("start", "target"), [("bf16", "fp16"), ("fp16", "bf16"), ("fp32", "fp16")])
+def test_precision_monitor_logs_the_loss_scale_of_the_mode_each_step_ran_in(tmp_path, start, target, monitor_first):
+    """A schedule that switches at the end of a step, ahead of the monitor in the callbacks, changes the scaler
+    before the monitor reads the step's figures: the step's own loss scale is logged, and only for fp16 steps."""
+    precision = PrecisionMonitor(log_every_n_steps=1)
+    oracle = ScaleAfterStep()
+    schedule = PrecisionSchedule({0: start, 2: target, 4: start})
+    callbacks = [oracle, precision, schedule] if monitor_first else [oracle, schedule, precision]
+    _, model, rows = train(MPPlugin(start, init_scale=2.0**8), callbacks, max_steps=6)
+    assert model.seen_dtypes == [DTYPES[start]] * 2 + [DTYPES[target]] * 2 + [DTYPES[start]] * 2
+    logged = [r.get("precision/loss_scale") for r in rows if "precision/skipped_steps" in r]
+    assert logged == oracle.scales
+    assert [scale is not None for scale in logged] == [dtype is torch.float16 for dtype in model.seen_dtypes]
+    assert [h.loss_scale for h in precision.history] == oracle.scales
