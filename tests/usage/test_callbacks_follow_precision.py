@@ -1,6 +1,6 @@
 """Callbacks that depend on the precision follow a change of it, whatever changed it: a PrecisionSchedule entry (by
 step or epoch), the plugin's own ``set_precision``, a checkpoint resumed in another mode, a second fit with another
-plugin.
+plugin. (PrecisionSchedule's own skip window and PrecisionMonitor's counts across fits: tests/test_callbacks_*.py.)
 
 ``lightning_mp.ThroughputMonitor``'s device peak (the denominator of ``device/mfu``) is the peak of the dtype each
 batch ran in: against the peak Lightning's own ``ThroughputMonitor`` finds in a run started in that mode with
@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks import throughput_monitor as throughput_module
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
-from lightning_mp import MPPlugin, PrecisionMonitor, PrecisionSchedule, ThroughputMonitor
+from lightning_mp import MPPlugin, NonFiniteDetector, PrecisionMonitor, PrecisionSchedule, ThroughputMonitor
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*does not have many workers:UserWarning")
 
@@ -226,3 +226,18 @@ def test_precision_monitor_logs_the_loss_scale_of_the_mode_each_step_ran_in(tmp_
     assert logged == oracle.scales
     assert [scale is not None for scale in logged] == [dtype is torch.float16 for dtype in model.seen_dtypes]
     assert [h.loss_scale for h in precision.history] == oracle.scales
+
+
+# ---------------------------------------------------------------------------------------------- NonFiniteDetector
+@pytest.mark.parametrize("detector_first", [True, False], ids=["detector-first", "schedule-first"])
+def test_detector_tells_overflows_by_the_mode_each_batch_ran_in(detector_first):
+    """An inf gradient from a finite forward pass is fp16's own overflow (the loss scaler skips it, not reported)
+    and a fault in bf16: the same poisoned gradient before and after a switch is judged by the batch's mode."""
+    detector = NonFiniteDetector(action="warn")
+    schedule = PrecisionSchedule({0: "fp16", 3: "bf16"})
+    callbacks = [detector, schedule] if detector_first else [schedule, detector]
+    model = Model(poison_grad=(1, 4))
+    with pytest.warns(UserWarning, match="NonFiniteDetector: inf/NaN at global step 4"):
+        train(MPPlugin("fp16", init_scale=2.0**8), callbacks, max_steps=6, model=model)
+    assert model.seen_dtypes == [torch.float16] * 3 + [torch.bfloat16] * 3
+    assert [(r.batch_idx, r.backward.tensor) for r in detector.reports] == [(4, "gradient of parameter net1.weight")]
