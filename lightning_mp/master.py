@@ -18,14 +18,14 @@ written into the weight. Four ways to deal with it, chosen with ``MPPlugin(maste
 
 Three invariants hold by construction:
 
-1. **The model's parameters are the truth.** Before each step the masters are compared with the weights on the
-   device: a master that still rounds to its weight, every element, keeps its low bits (also where the weight was
-   written with the values it had: ``Embedding(max_norm=...)`` that renormalises nothing, an average swapped in for
-   validation and back); a weight with any value changed gives its master its values (low bits that coincide
-   belong to another value), and a Kahan compensation that no longer rounds away against its weight is dropped.
-   So a weight written by anyone, however (in place, through ``.data``, which a version counter does not see,
-   ``copy_``, ``load_state_dict``, a callback that averages, clips or prunes), is where the next step starts. One
-   pass over the weights and the masters a step, no host sync.
+1. **The model's parameters are the truth.** Before each step the masters are compared with the weights, element
+   by element, on the device: a master that still rounds to its weight keeps its low bits (also where the weight
+   was written with the value it had: ``Embedding(max_norm=...)`` renormalising some rows, an average swapped in
+   for validation and back); an element whose weight changed gives its master its value, and a Kahan compensation
+   that no longer rounds away against its weight is dropped. So a weight written by anyone, however (in place,
+   through ``.data``, which a version counter does not see, ``copy_``, ``load_state_dict``, a callback that
+   averages, clips or prunes), is where the next step starts. One pass over the weights and the masters a step
+   (one kernel on CUDA), no host sync.
 2. **Every parameter the optimizer steps has its master, whenever it joins**: masters are made at the step for
    whatever half-precision parameters the optimizer's param groups hold then (unfrozen layers, new param groups,
    a second model).
@@ -113,6 +113,36 @@ def fp32_original(param: Tensor) -> Optional[Tensor]:
 
 def forget_fp32_original(param: Tensor) -> None:
     _FP32_ORIGINALS.pop(param, None)
+
+
+def _follow_weight(master: Tensor, weight: Tensor) -> None:
+    torch.where(master.to(weight.dtype).eq(weight), master, weight, out=master)
+
+
+def _follow_weight_compiled(master: Tensor, weight: Tensor) -> None:
+    master.copy_(torch.where(master.to(weight.dtype) == weight, master, weight.float()))
+
+
+#: weights with at least this many elements on CUDA are followed by one compiled kernel (reads 6 bytes an element,
+#: writes 4) instead of three eager ones; below it a compiled call's host time outweighs the traffic it saves
+COMPILED_FOLLOW_MIN_NUMEL = 1 << 22
+_COMPILED_FOLLOW: dict[str, Any] = {"fn": None, "failed": None}
+
+
+def follow_weight_(master: Tensor, weight: Tensor) -> None:
+    """An fp32 master follows its half weight: where the weight is no longer the master rounded (written since),
+    the master takes the weight's value; elsewhere it keeps its low bits. On the device, no host sync."""
+    if (master.is_cuda and master.numel() >= COMPILED_FOLLOW_MIN_NUMEL and _COMPILED_FOLLOW["failed"] is None
+            and master.is_contiguous() and weight.is_contiguous()):
+        try:
+            fn = _COMPILED_FOLLOW["fn"]
+            if fn is None:
+                fn = _COMPILED_FOLLOW["fn"] = torch.compile(_follow_weight_compiled, fullgraph=True, dynamic=True)
+            fn(master.view(-1), weight.view(-1))
+            return
+        except Exception as exc:  # no Triton, a compiler error: the eager kernels compute the same values
+            _COMPILED_FOLLOW["failed"] = exc
+    _follow_weight(master, weight)
 
 
 def cast_module_(module: nn.Module, dtype: torch.dtype, *, keep_fp32: Iterable[str] = ()) -> int:
@@ -958,9 +988,8 @@ class _Layout:
     #: (kept on the masters as their ``.grad`` from step to step)
     flat: Optional[Tensor] = None
     views: Optional[list[Tensor]] = None
-    #: with ``flat``: the masters' own flat buffer (their ``.data`` are views of it), and the weights' sizes in it
+    #: with ``flat``: the masters' own flat buffer (their ``.data`` are views of it)
     mflat: Optional[Tensor] = None
-    sizes: Optional[Tensor] = None
 
     def fits(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s param groups still hold the lists and parameters this layout was made for."""
@@ -1099,7 +1128,6 @@ class FP32MasterWeights(MasterWeights):
             mirror=_StateMirror({id(r.param): r.standin for r in records}, standins),
             wraps=bool(wrapped_optimizers(optimizer)),
             flat=flat, views=views, mflat=mflat,
-            sizes=None if mflat is None else torch.tensor([p.numel() for p in half], device=device),
         )
 
     def _gather_planned(self, optimizer: Optimizer, check: bool) -> Optional[StepRecords]:
@@ -1201,24 +1229,17 @@ class FP32MasterWeights(MasterWeights):
                 weight, master = entry.param.detach(), cast(Tensor, entry.held).detach()
                 # (after fit, Lightning's teardown moves the model to the CPU; the masters stay where they are)
                 weight = weight if weight.device == master.device else weight.to(master.device)
-                # a weight written with the values it had (Embedding(max_norm=...) that renormalises nothing, an
-                # average swapped in for validation and back) keeps its master's low bits; a weight with any value
-                # changed starts from its values (low bits that coincide belong to another value)
-                keep = master.to(weight.dtype).eq(weight).all()
-                torch.where(keep, master, weight, out=master)
+                follow_weight_(master, weight)
 
     def _resync_layout(self, layout: _Layout) -> None:
-        """:meth:`_resync` for a planned layout: with its masters in one flat buffer, six kernels for all of them
+        """:meth:`_resync` for a planned layout: with its masters in one flat buffer, four kernels for all of them
         (the weights, upcast into the flat gradient buffer before the gradients fill it, are compared there)."""
-        if layout.mflat is None or layout.sizes is None or layout.flat is None or layout.views is None:
+        if layout.mflat is None or layout.flat is None or layout.views is None:
             self._resync(layout.entries)
             return
         torch._foreach_copy_(layout.views, layout.half)
-        weights, masters, sizes = layout.flat, layout.mflat, layout.sizes
-        same = masters.to(layout.half[0].dtype).eq(weights).to(torch.float32)
-        keep = torch.segment_reduce(same, "min", lengths=sizes, unsafe=True)  # per weight: 1 where none changed
-        keep = keep.repeat_interleave(sizes, output_size=layout.total).bool()
-        torch.where(keep, masters, weights, out=masters)
+        masters = layout.mflat
+        torch.where(masters.to(layout.half[0].dtype).eq(layout.flat), masters, layout.flat, out=masters)
 
     def _standin(self, entry: _Entry) -> nn.Parameter:
         held = cast(nn.Parameter, entry.held)  # the fp32 kind's masters are Parameters (_new_held)
@@ -1283,13 +1304,13 @@ class KahanCompensation(MasterWeights):
 
     def _resync(self, entries: Sequence[_Entry]) -> None:
         # a compensation that no longer rounds away against its weight belongs to a value the weight no longer has
-        # (written since): the weight's compensation goes. Where every element's still does, it is kept (a weight
-        # written with the values it had; a write that moved no value by more than its compensation's half ulp)
+        # (written since): it goes. Where it still does it is kept (a weight written with the value it had; a write
+        # that moved a value by less than its compensation's half ulp, which leaves an error below the weight's own)
         with torch.no_grad():
             for entry in entries:
                 weight, comp = entry.param.detach(), cast(Tensor, entry.held)
                 back = weight.float().add_(comp.float()).to(weight.dtype)
-                comp.mul_(back.eq(weight).all())
+                comp.masked_fill_(back.ne(weight), 0)
 
     def _fp32_value(self, entry: _Entry) -> Tensor:
         return entry.param.detach().float().add_(cast(Tensor, entry.held))
