@@ -706,7 +706,7 @@ def _available_flops(device: torch.device, dtype: torch.dtype, tf32: Optional[bo
 
 # ---------------------------------------------------------------------------------------------- helpers
 def _mp_stats(trainer: Trainer) -> Optional[StepStats]:
-    """MPPlugin's StepStats (read fresh: a precision switch replaces it), or None for other plugins."""
+    """MPPlugin's StepStats (read fresh: each plugin has its own), or None for other plugins."""
     stats = getattr(trainer.precision_plugin, "stats", None)
     return stats if isinstance(stats, StepStats) else None
 
