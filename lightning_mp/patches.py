@@ -8,8 +8,9 @@ what                                   made by                         undone
 FP32 guards: a forward pre-hook, a     ``convert_module``              ``teardown`` (the guards this plugin put
 forward hook, an instance ``forward``  (:mod:`lightning_mp.guards`)    there; guards the user applied stay)
 and an attribute on guarded modules
-``lr_scheduler_step`` on the           ``connect``                     ``teardown``
-LightningModule instance               (:mod:`lightning_mp.schedulers`)
+``lr_scheduler_step`` on the           ``connect``                     ``teardown`` (the class's own entry
+LightningModule's class: a descriptor  (:mod:`lightning_mp.schedulers`)
+that holds the trained instance only                                   back once no instance is held)
 TF32 flags (``torch.backends``)        ``connect`` (``tf32=`` or the   ``teardown`` (the values found before)
                                        mode's)
 Transformer Engine's                   ``connect`` (fp8 with           ``teardown``
@@ -26,6 +27,13 @@ fp32 regions of guards) is entered and left by context managers, also when an ex
 
 Lightning calls ``teardown`` after every entry point (``fit``, ``validate``, ``test``, ``predict``), also when the run
 ends with an exception or an interrupt: afterwards the user's module is a plain module again.
+
+What is set on the user's objects pickles and deep-copies: ``torch.save(pl_module)`` and ``copy.deepcopy(pl_module)``
+mid-fit (checkpointing code, weight-averaging callbacks) work in every mode. Nothing of the scheduler hold is in the
+module's ``__dict__``, so a copy calls its own ``lr_scheduler_step``, never held. The FP32 guards are objects bound to
+the copy they are copied with (:mod:`lightning_mp.guards`); ``teardown`` undoes the trained module's only, so a copy
+taken mid-fit keeps its guards. Parameters and optimizers carry nothing of ours into a copy (torch leaves tensor
+hooks and an optimizer's hooks out of copies and pickles).
 
 Example::
 
