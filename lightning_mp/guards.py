@@ -517,6 +517,8 @@ def _guarded_forward(module: nn.Module, inner: Any, args: tuple, kwargs: dict) -
         return _fused_layer_norm_forward(module, *args, **kwargs)  # type: ignore[arg-type]
     devices = opened[1] if opened else ()
     if not devices:  # eager (the fp32 region is open already), or no autocast to switch off
+        if opened and opened[0] is not None:  # the eager region: 16-bit weights are upcast for this forward
+            return _with_fp32_tensors(module, inner, args, kwargs)
         return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
 
     def forward() -> Any:
@@ -531,6 +533,64 @@ def _guarded_forward(module: nn.Module, inner: Any, args: tuple, kwargs: dict) -
             return forward()
     with torch.autocast("cuda", enabled=False):
         return forward()
+
+
+# --------------------------------------------------------------------------------------------- 16-bit weights
+def _half_tensors(module: nn.Module) -> Optional[list[tuple[dict, str, Tensor]]]:
+    """The 16-bit parameters and buffers of a guarded module (and its children), as (dict, key, tensor) slots;
+    ``None`` if there are none (the common case: one look at a norm's two parameters)."""
+    found: Optional[list[tuple[dict, str, Tensor]]] = None
+    for sub in (module,) if not module._modules else module.modules():
+        for slots in (sub._parameters, sub._buffers):
+            for key, t in slots.items():
+                if t is not None and t.dtype in _LOW:
+                    if found is None:
+                        found = []
+                    found.append((slots, key, t))
+    return found
+
+
+def _with_fp32_tensors(module: nn.Module, inner: Any, args: tuple, kwargs: dict) -> Any:
+    """The guarded module's forward with its 16-bit parameters and buffers in fp32 for the call.
+
+    They are 16-bit where a module outside the guards shares them (an LM head tied to the embedding, with the head
+    guarded: the weight stays half, see :func:`lightning_mp.master.cast_module_`), or where the module was cast to
+    half after a true-half run or by the user. Each is swapped for an fp32 copy (``tensor.float()``: autograd takes
+    the gradient back to the tensor in its own dtype) and put back when the forward ends, also on an exception; what
+    the forward wrote into a copy in place (BatchNorm's running statistics, ``nn.Embedding(max_norm=...)``) is
+    written back into the tensor.
+    """
+    half = _half_tensors(module)
+    if half is None:
+        return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+    copies: dict[int, tuple[Tensor, Optional[int]]] = {}  # id(tensor) -> (fp32 copy, its version when made)
+    for slots, key, t in half:
+        if id(t) not in copies:  # one copy of a tensor held twice
+            copy = t.float()
+            copies[id(t)] = (copy, _version(copy))
+        slots[key] = copies[id(t)][0]
+    try:
+        return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+    finally:
+        _put_back(half, copies)
+
+
+def _put_back(half: list[tuple[dict, str, Tensor]], copies: dict[int, tuple[Tensor, Optional[int]]]) -> None:
+    written: set[int] = set()
+    for slots, key, t in half:
+        copy, version = copies[id(t)]
+        if slots.get(key) is not copy:
+            continue  # the forward assigned something else there: it stands
+        if version is not None and _version(copy) != version and id(t) not in written:
+            with torch.no_grad():
+                t.copy_(copy)
+            written.add(id(t))
+        slots[key] = t
+
+
+def _version(t: Tensor) -> Optional[int]:
+    """``t``'s version counter; ``None`` for an inference tensor, which has none."""
+    return None if t.is_inference() else t._version
 
 
 # --------------------------------------------------------------------------------------------- module guards
@@ -731,12 +791,23 @@ def guarded_modules(module: nn.Module, spec: Union[FP32GuardSpec, Sequence[FP32M
     spec = spec if isinstance(spec, FP32GuardSpec) else FP32GuardSpec.from_arg(spec)
     if spec.empty:
         return []
+    return _outermost(module, spec.matches)
+
+
+def _outermost(module: nn.Module, selected: Callable[[str, nn.Module], bool]) -> list[str]:
+    """The names of the submodules ``selected`` picks, outermost only, each module once (under its first name).
+
+    A module the model holds under several names (one ``nn.LayerNorm`` object used in two places) is selected by
+    any of them: a name pattern that matches its second name guards the one object, wherever it is called.
+    """
     names: list[str] = []
-    for name, sub in module.named_modules():
-        if not name or any(name.startswith(outer + ".") for outer in names):
+    seen: set[int] = set()
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if not name or id(sub) in seen or any(name.startswith(outer + ".") for outer in names):
             continue
-        if spec.matches(name, sub):
+        if selected(name, sub):
             names.append(name)
+            seen.add(id(sub))
     return names
 
 
@@ -800,10 +871,15 @@ def guard_for_run(
     module: nn.Module, spec: Union[FP32GuardSpec, Sequence[FP32ModuleSpec], None] = None
 ) -> tuple[list[str], Callable[[], None]]:
     """:func:`apply_fp32_guards` for one run: the guarded names, and a callable that removes the guards this call
-    installed (guards already there, the user's own, stay)."""
+    installed (guards already there, the user's own, stay).
+
+    The names are every guarded module's, the user's own guards included (outermost only): what runs in fp32, so
+    what a true-half run keeps fp32 (:func:`lightning_mp.master.cast_module_`)."""
     before = {id(sub) for sub in module.modules() if fp32_guard_of(sub) is not None}
     names = apply_fp32_guards(module, spec)
     added = [sub for sub in (module.get_submodule(name) for name in names) if id(sub) not in before]
+    if before:  # the user's guards: their modules run in fp32 too
+        names = _outermost(module, lambda name, sub: fp32_guard_of(sub) is not None)
 
     def undo() -> None:
         for sub in added:

@@ -28,6 +28,7 @@ import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import lightning_scaler_state, load_plugin_state, plugin_state
 from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
+from lightning_mp.master import fp32_state_dict_
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.options import announce, describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
@@ -185,7 +186,8 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
         if self._run.sharded and guarded and half_gathers:
             distributed.check_fsdp_wraps_guards(module, guarded, self.mode, self.fsdp_param_dtype)
         if not self._run.sharded:  # (FSDP: the fp32 shards are the masters; it gathers half weights)
-            cast_weights_(module, self.mode, guarded)
+            self._patches.add(f"fp32 weights of the guarded modules of {type(module).__name__}",
+                              cast_weights_(module, self.mode, guarded))  # fmt: skip
         self._run.convert_fp8(module, device)  # swaps layers in place, before the optimizers exist
         self._converted = module
         return module
@@ -312,6 +314,9 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
         lightning_state = lightning_scaler_state(self._run.scaler)
         if lightning_state:
             checkpoint.setdefault("MixedPrecision", lightning_state)
+        module = distributed.unwrap_lightning_module(self._converted)
+        if module is not None and isinstance(checkpoint.get("state_dict"), dict):  # (after a run: fp32 guarded weights)
+            fp32_state_dict_(checkpoint["state_dict"], module)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

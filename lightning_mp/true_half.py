@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -16,6 +17,7 @@ from lightning_mp.master import (
     FP32MasterWeights,
     MasterWeights,
     cast_module_,
+    downcast_kept_,
     keeps_own_masters,
     make_master_weights,
     seed_optimizer_masters,
@@ -24,14 +26,20 @@ from lightning_mp.master import (
 from lightning_mp.modes import PrecisionMode
 
 
-def cast_weights_(module: nn.Module, mode: Optional[PrecisionMode], guarded: list[str]) -> None:
+def cast_weights_(module: nn.Module, mode: Optional[PrecisionMode], guarded: list[str]) -> Callable[[], object]:
     """True-half modes: the weights outside the FP32 guards become half precision (in place). In every mode the
-    guarded modules' weights are fp32 (a model the user cast to half included)."""
+    guarded modules' weights are fp32 (a model the user cast to half included). Returns what the run's end does:
+    in true-half modes the guarded modules' weights become half too, as Lightning's plugin leaves the module."""
     if mode is not None and mode.true_half:
         assert mode.param_dtype is not None  # true_half: a half param_dtype
         cast_module_(module, mode.param_dtype, keep_fp32=guarded)
-    else:
-        upcast_kept_(module, guarded)
+        return functools.partial(downcast_kept_, module, mode.param_dtype, guarded)
+    upcast_kept_(module, guarded)
+    return _nothing
+
+
+def _nothing() -> None:
+    pass
 
 
 class MasterWeightsSetup:

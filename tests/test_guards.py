@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import make_trainer
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -205,15 +205,24 @@ def test_under_autocast_guarded_modules_run_fp32_and_linears_stay_low(mode, low)
 def test_true_half_guards_keep_params_buffers_fp32_and_hand_back_half(mode, low):
     model = GuardedNet()
     mean0 = model.bn.inner.running_mean.clone()
-    make_trainer(MPPlugin(mode, fp32_modules=GUARDS, **scaler_args(mode)), max_steps=3).fit(model)
-    dtypes = {name: p.dtype for name, p in model.named_parameters()}
-    assert {n: d for n, d in dtypes.items() if n.startswith(("fc1", "fc2"))} == dict.fromkeys(
+    seen: dict = {}
+
+    class DuringTheRun(Callback):
+        def on_train_end(self, trainer, pl_module):
+            seen.update({n: t.dtype for n, t in (*pl_module.named_parameters(), *pl_module.named_buffers())})
+
+    plugin = MPPlugin(mode, fp32_modules=GUARDS, **scaler_args(mode))
+    make_trainer(plugin, max_steps=3, callbacks=[DuringTheRun()]).fit(model)
+    assert {n: d for n, d in seen.items() if n.startswith(("fc1", "fc2"))} == dict.fromkeys(
         ["fc1.inner.weight", "fc1.inner.bias", "fc2.weight", "fc2.bias"], low
     )
-    assert all(d == torch.float32 for n, d in dtypes.items() if n.startswith(("norm", "router", "bn")))
+    guarded = {n: d for n, d in seen.items() if n.startswith(("norm", "router", "bn")) and "num_batches" not in n}
+    assert set(guarded.values()) == {torch.float32}  # in the run: the guarded modules' weights and statistics fp32
+    # after it, every weight and buffer in the half dtype, as Lightning's precision="bf16-true"/"16-true" leaves them
+    assert all(t.dtype == low for t in model.parameters())
     bn = model.bn.inner
-    assert bn.running_mean.dtype == bn.running_var.dtype == torch.float32
-    assert not torch.equal(bn.running_mean, mean0)  # the statistics were updated, in fp32
+    assert bn.running_mean.dtype == bn.running_var.dtype == low
+    assert not torch.equal(bn.running_mean, mean0.to(low))  # the statistics were updated
     assert model.dtype == low  # LightningModule.dtype reports the training dtype
     # inside the guards fp32 (and fp32 as default dtype); outside, half inputs and half default dtype
     assert set(model.inside["norm"]) == set(model.inside["bn"]) == {(torch.float32, False, torch.float32)}
@@ -716,11 +725,15 @@ def test_guarded_embedding_trains_in_bf16_true():
             idx, y = torch.randint(0, 10, (8, 5), generator=g), torch.randint(0, 4, (8, 5), generator=g)
             return DataLoader(TensorDataset(idx, y), batch_size=4)
 
+        def on_train_end(self):
+            self.in_run = (self.net.embed.weight.dtype, self.net.head.weight.dtype)
+
     model = TokenNet()
     before = model.net.embed.weight.detach().clone()
     make_trainer(MPPlugin("bf16-true", fp32_modules=["defaults", "Embedding"]), max_steps=1).fit(model)
-    assert model.net.embed.weight.dtype is torch.float32 and model.net.head.weight.dtype is torch.bfloat16
-    assert not torch.equal(model.net.embed.weight, before)
+    assert model.in_run == (torch.float32, torch.bfloat16)
+    assert model.net.embed.weight.dtype is model.net.head.weight.dtype is torch.bfloat16  # as Lightning leaves it
+    assert not torch.equal(model.net.embed.weight, before.bfloat16())
 
 
 # --------------------------------------------------------------------------------------------- torch.compile

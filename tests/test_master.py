@@ -127,30 +127,38 @@ def state_tensors(opt) -> list[torch.Tensor]:
 @pytest.mark.parametrize("mode", ["bf16-true", "fp16-true"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_weights_masters_and_optimizer_state_dtypes(mode, kind):
-    trainer, plugin, model = fit(mode, kind, max_steps=24, model=HalfNet(n=64))
+    in_run: dict = {}
+
+    class InTheRun(Callback):
+        def on_train_end(self, trainer, pl_module):
+            in_run.update({n: p.dtype for n, p in pl_module.named_parameters()})
+
+    trainer, plugin, model = fit(mode, kind, max_steps=24, model=HalfNet(n=64), callbacks=[InTheRun()])
     half = HALF[mode]
     assert trainer.precision == {"bf16-true": "bf16-true", "fp16-true": "16-true"}[mode]
     assert plugin.master_weights == kind
     # bf16-true with masters runs a plain LayerNorm in bf16 (torch's kernel computes it in fp32; its masters keep
     # the fp32 values); fp16-true and masterless runs guard it in fp32
     norm = half if mode == "bf16-true" and kind != "none" else torch.float32
-    assert {n: p.dtype for n, p in model.named_parameters()} == {
+    assert in_run == {
         "net1.weight": half, "net1.bias": half, "norm.weight": norm, "norm.bias": norm,
         "net2.weight": half, "net2.bias": half,
     }
+    # after the run every weight is half, as Lightning's plugin leaves the module
+    assert {p.dtype for p in model.parameters()} == {half}
     opt = trainer.optimizers[0]
     stepped = opt.param_groups[0]["params"]
     # masters are invisible: the param groups hold the model's own parameters, the optimizer state is fp32
     assert all(p is q for p, q in zip(stepped, model.parameters()))
-    for p in model.parameters():  # fp32 with masters; with plain half weights, the parameter's own dtype
-        want = p.dtype if kind == "none" else torch.float32
+    for name, p in model.named_parameters():  # fp32 with masters; with plain half weights, the run's dtype
+        want = in_run[name] if kind == "none" else torch.float32
         assert all(t.dtype == want for k, t in opt.state[p].items() if k != "step"), (kind, p.shape)
     if kind == "fp32":
-        for p in model.parameters():  # the half weights are the masters rounded
+        for name, p in model.named_parameters():  # the half weights are the masters rounded
             master = plugin.masters.master_of(p)
             assert (
                 master.dtype == torch.float32 and torch.equal(master.to(half), p)
-                if p.dtype == half
+                if in_run[name] == half
                 else master is None
             )
     assert {t.dtype for t in state_tensors(opt)} == ({half, torch.float32} if kind == "none" else {torch.float32})
@@ -615,7 +623,9 @@ def test_yaml_sets_precision_master_weights_and_fp32_modules(tmp_path):
     cli = LightningCLI(TinyRegressor, args=["fit", "--config", str(path)], save_config_callback=None)
     plugin = cli.trainer.precision_plugin
     assert cli.trainer.precision == "bf16-true" and plugin.master_weights == "kahan"
-    assert cli.model.net1.weight.dtype == torch.bfloat16 and cli.model.net2.weight.dtype == torch.float32
+    # net2 ran in fp32 (its input upcast by its guard: the hidden activations stay bf16), and is bf16 after the run
+    assert "net2" in plugin.fp32_guards.patterns
+    assert cli.model.net1.weight.dtype == cli.model.net2.weight.dtype == torch.bfloat16
     assert set(cli.model.seen_dtypes) == {torch.bfloat16}
 
 
