@@ -557,8 +557,9 @@ def _with_fp32_tensors(module: nn.Module, inner: Any, args: tuple, kwargs: dict)
     guarded: the weight stays half, see :func:`lightning_mp.master.cast_module_`), or where the module was cast to
     half after a true-half run or by the user. Each is swapped for an fp32 copy (``tensor.float()``: autograd takes
     the gradient back to the tensor in its own dtype) and put back when the forward ends, also on an exception; what
-    the forward wrote into a copy in place (BatchNorm's running statistics, ``nn.Embedding(max_norm=...)``) is
-    written back into the tensor.
+    the forward wrote into a copy in place is written back into the tensor: a buffer's copy always (BatchNorm updates
+    its running statistics without a version bump; an unchanged value comes back exactly), a parameter's where its
+    version counter moved (``nn.Embedding(max_norm=...)``'s renorm).
     """
     half = _half_tensors(module)
     if half is None:
@@ -581,11 +582,13 @@ def _put_back(half: list[tuple[dict, str, Tensor]], copies: dict[int, tuple[Tens
         copy, version = copies[id(t)]
         if slots.get(key) is not copy:
             continue  # the forward assigned something else there: it stands
-        if version is not None and _version(copy) != version and id(t) not in written:
+        slots[key] = t
+        if id(t) in written or (t.is_inference() and not torch.is_inference_mode_enabled()):
+            continue
+        if not isinstance(t, nn.Parameter) or (version is not None and _version(copy) != version):
             with torch.no_grad():
                 t.copy_(copy)
             written.add(id(t))
-        slots[key] = t
 
 
 def _version(t: Tensor) -> Optional[int]:
