@@ -307,3 +307,19 @@ def test_weight_averaging_with_copies_mid_fit(mode):
         runs.append((model.state_dict(), trainer.precision_plugin.stats.as_dict()))
         pm_assert_plain(model)
     opt_assert_nested_equal(runs[0], runs[1], mode)
+
+
+class PmFailingModel(PmModel):
+    def training_step(self, batch, batch_idx):
+        if batch_idx == 2:
+            raise ValueError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("mode", OPT_MODES)
+def test_the_class_is_plain_after_fit_ends_with_an_exception(mode):
+    model = PmFailingModel()
+    with pytest.raises(ValueError, match="boom"):
+        pm_fit(mode, model, [PmSnapshot()])
+    pm_assert_plain(model)
+    assert "lr_scheduler_step" not in vars(PmModel)
