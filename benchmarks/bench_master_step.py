@@ -7,8 +7,8 @@ AdamW step (and keeps no masters). This script times each on the parameter shape
 
 * ``torch-adamw-bf16``: fused ``torch.optim.AdamW`` on bf16 parameters, bf16 state (Lightning's ``bf16-true``);
 * ``torch-adamw-fp32``: fused AdamW on fp32 parameters and gradients (the step of bf16 autocast);
-* ``mp-masters``: ``FP32MasterWeights`` as the plugin runs it: carry, check, fused AdamW on the masters, refresh
-  (also each part alone);
+* ``mp-masters``: ``FP32MasterWeights`` as the plugin runs it: the masters following weights written since the last
+  step, carry, check, fused AdamW on the masters, refresh (also each part alone; following also with eager kernels);
 * ``te-fusedadam-masters`` / ``te-fusedadam-remainders``: Transformer Engine's ``FusedAdam(master_weights=True)``
   (one kernel reads bf16 gradients and writes fp32 masters and bf16 weights), with and without
   ``store_param_remainders`` (the masters held as 16 extra bits). Only where TE is installed.
@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from lightning_mp import master as _master
 from lightning_mp.master import FP32MasterWeights
 
 
@@ -132,8 +133,17 @@ def masters_section(shapes, device: torch.device, fused: bool, timer: Timer, arg
     t_step = timer(step_alone, args.warmup, args.steps)
     pairs = ([r.param.data for r in records.records], [r.standin.data for r in records.records])
     t_refresh = timer(lambda: torch._foreach_copy_(*pairs), args.warmup, args.steps)
+    entries = list(masters._entries.values())
+    t_follow = timer(lambda: masters._resync(entries), args.warmup, args.steps)
+    compiled = _master._COMPILED_FOLLOW["failed"]
+    _master._COMPILED_FOLLOW["failed"] = "timing the eager kernels"
+    t_follow_eager = timer(lambda: masters._resync(entries), args.warmup, args.steps)
+    _master._COMPILED_FOLLOW["failed"] = compiled
     masters_bytes = sum(m.numel() * m.element_size() for m in master_list)
     row("mp-masters", t_whole, state_bytes(opt) + masters_bytes, "MPPlugin('bf16-true'): all below")
+    row("  follow the weights", t_follow, 0, "masters take weights written since (in gather)"
+        + ("" if compiled is None else f"; not compiled: {compiled!r}"))
+    row("  follow, eager kernels", t_follow_eager, 0, "the same without the compiled kernel")
     row("  gather (bf16 -> fp32 grads)", t_gather, 0)
     row("  check (inf-norm, fp32)", t_check, 0)
     row("  fused AdamW on fp32 masters", t_step, 0)

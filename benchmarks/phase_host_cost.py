@@ -16,6 +16,7 @@ only), e.g. ``mp-bf16-true+hostcopy``:
 - ``hostcopy``: the verdict's copy to the host for the step counters;
 - ``check``: the masters' inf/NaN check kernel;
 - ``writeback``: the masters' write-back to the half weights;
+- ``follow``: the masters following weights written since the last step (``.data`` writes included);
 - ``release``: the gradients' release after the step (Lightning's ``zero_grad`` then has nothing to free).
 
 Run from the repository root (``--model gpt`` on a GPU, the small GPT of ``bench_host_cost.py``; ``tiny``: a 4-layer
@@ -107,6 +108,8 @@ WITHOUT: dict[str, list[tuple[Any, str, Callable[..., Any]]]] = {
     "check": [(torch, "_amp_foreach_non_finite_check_and_unscale_", lambda *args: None)],
     "writeback": [(_master.FP32MasterWeights, "write_back", lambda self, records, **kwargs: None)],
     "release": [(_step, "_release_grads", lambda optimizer: None)],
+    "follow": [(_master.FP32MasterWeights, "_resync_layout", lambda self, layout: None),
+               (_master.FP32MasterWeights, "_resync", lambda self, entries: None)],
 }
 
 

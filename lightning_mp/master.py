@@ -137,7 +137,10 @@ def follow_weight_(master: Tensor, weight: Tensor) -> None:
         try:
             fn = _COMPILED_FOLLOW["fn"]
             if fn is None:
-                fn = _COMPILED_FOLLOW["fn"] = torch.compile(_follow_weight_compiled, fullgraph=True, dynamic=True)
+                # (emulate_precision_casts: the cast to half is rounded as eager rounds it, not kept in fp32)
+                fn = _COMPILED_FOLLOW["fn"] = torch.compile(
+                    _follow_weight_compiled, fullgraph=True, dynamic=True, options={"emulate_precision_casts": True}
+                )
             fn(master.view(-1), weight.view(-1))
             return
         except Exception as exc:  # no Triton, a compiler error: the eager kernels compute the same values
@@ -988,8 +991,9 @@ class _Layout:
     #: (kept on the masters as their ``.grad`` from step to step)
     flat: Optional[Tensor] = None
     views: Optional[list[Tensor]] = None
-    #: with ``flat``: the masters' own flat buffer (their ``.data`` are views of it)
+    #: with ``flat``: the masters' own flat buffer (their ``.data`` are views of it), and the weights as flat views
     mflat: Optional[Tensor] = None
+    flat_half: Optional[list[Tensor]] = None
 
     def fits(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s param groups still hold the lists and parameters this layout was made for."""
@@ -1128,6 +1132,7 @@ class FP32MasterWeights(MasterWeights):
             mirror=_StateMirror({id(r.param): r.standin for r in records}, standins),
             wraps=bool(wrapped_optimizers(optimizer)),
             flat=flat, views=views, mflat=mflat,
+            flat_half=None if mflat is None else [p.detach().view(-1) for p in half],
         )
 
     def _gather_planned(self, optimizer: Optimizer, check: bool) -> Optional[StepRecords]:
@@ -1232,14 +1237,13 @@ class FP32MasterWeights(MasterWeights):
                 follow_weight_(master, weight)
 
     def _resync_layout(self, layout: _Layout) -> None:
-        """:meth:`_resync` for a planned layout: with its masters in one flat buffer, four kernels for all of them
-        (the weights, upcast into the flat gradient buffer before the gradients fill it, are compared there)."""
-        if layout.mflat is None or layout.flat is None or layout.views is None:
+        """:meth:`_resync` for a planned layout: with its masters in one flat buffer, four kernels for all of them."""
+        if layout.mflat is None or layout.flat_half is None:
             self._resync(layout.entries)
             return
-        torch._foreach_copy_(layout.views, layout.half)
+        weights = torch.cat(layout.flat_half)  # (one kernel: a copy of the weights cast would be one per weight)
         masters = layout.mflat
-        torch.where(masters.to(layout.half[0].dtype).eq(layout.flat), masters, layout.flat, out=masters)
+        torch.where(masters.to(weights.dtype).eq(weights), masters, weights, out=masters)
 
     def _standin(self, entry: _Entry) -> nn.Parameter:
         held = cast(nn.Parameter, entry.held)  # the fp32 kind's masters are Parameters (_new_held)
