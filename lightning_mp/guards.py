@@ -58,6 +58,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_map_only
 
 _TORCH_LOSS = "torch.nn.modules.loss._Loss"
@@ -515,14 +516,17 @@ def _guarded_forward(module: nn.Module, inner: Any, args: tuple, kwargs: dict) -
     opened = guard._open[-1] if isinstance(guard, FP32Guard) and guard._open else ()
     if opened is None:  # its pre-hook chose the compiled LayerNorm kernel
         return _fused_layer_norm_forward(module, *args, **kwargs)  # type: ignore[arg-type]
+    if opened and opened[0] is not None:  # the eager fp32 region is open: 16-bit weights are upcast for the call
+        return _with_fp32_tensors(module, inner, args, kwargs)
     devices = opened[1] if opened else ()
-    if not devices:  # eager (the fp32 region is open already), or no autocast to switch off
-        if opened and opened[0] is not None:  # the eager region: 16-bit weights are upcast for this forward
-            return _with_fp32_tensors(module, inner, args, kwargs)
-        return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
 
     def forward() -> Any:
+        if opened:  # dynamo tracing
+            return _traced_with_fp32_tensors(module, inner, args, kwargs)
         return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+
+    if not devices:  # no autocast to switch off
+        return forward()
 
     # plain with-blocks, one per device (dynamo keeps a with-block across a graph break, not a loop of them)
     if "cpu" in devices and "cuda" in devices:
@@ -589,6 +593,22 @@ def _put_back(half: list[tuple[dict, str, Tensor]], copies: dict[int, tuple[Tens
             with torch.no_grad():
                 t.copy_(copy)
             written.add(id(t))
+
+
+def _traced_with_fp32_tensors(module: nn.Module, inner: Any, args: tuple, kwargs: dict) -> Any:
+    """:func:`_with_fp32_tensors` as dynamo traces it (``torch.compile``), in one graph: torch's own
+    reparametrization (which dynamo traces) instead of the swap, buffers written back after the forward."""
+    half = {name: t for name, t in (*module.named_parameters(), *module.named_buffers()) if t.dtype in _LOW}
+    if not half:  # (decided while tracing: nothing in the graph)
+        return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+    copies = {name: t.float() for name, t in half.items()}
+    with _reparametrize_module(module, copies, tie_weights=True):
+        out = inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+    with torch.no_grad():
+        for name, t in half.items():
+            if not isinstance(t, nn.Parameter):
+                t.copy_(copies[name])
+    return out
 
 
 def _version(t: Tensor) -> Optional[int]:

@@ -8,6 +8,9 @@ what                                   made by                         undone
 FP32 guards: a forward pre-hook, a     ``convert_module``              ``teardown`` (the guards this plugin put
 forward hook, an instance ``forward``  (:mod:`lightning_mp.guards`)    there; guards the user applied stay)
 and an attribute on guarded modules
+fp32 weights and buffers of the        ``convert_module`` in true-     ``teardown`` (cast to the half dtype, their
+FP32-guarded modules                   half modes (:mod:`lightning_mp  fp32 values remembered for the next run and
+                                       .master`)                       for checkpoints)
 ``lr_scheduler_step`` on the           ``connect``                     ``teardown`` (the class's own entry
 LightningModule's class: a descriptor  (:mod:`lightning_mp.schedulers`)
 that holds the trained instance only                                   back once no instance is held)
@@ -20,7 +23,7 @@ FP8 modules
 =====================================  ==============================  =============================================
 
 Not patches, and kept after the run as Lightning's own plugins keep them: true-half weights stay half (as
-``precision="bf16-true"`` leaves them; the guarded modules' weights stay fp32), FP8 layers stay Transformer Engine's
+``precision="bf16-true"`` leaves them, the guarded modules' too), FP8 layers stay Transformer Engine's
 (as Lightning's ``TransformerEnginePrecision`` leaves them), and ``LightningModule.dtype`` reports the dtype the
 weights were cast to. State that lives only while code runs (autocast, the default dtype in true-half modes, the
 fp32 regions of guards) is entered and left by context managers, also when an exception unwinds them.

@@ -250,3 +250,51 @@ def test_tied_head_computes_with_the_half_weight_in_fp32(mode: str) -> None:
     weight0 = SwNet("tied_head", poison=False).emb.weight.detach().to(half)  # the weight of that first step
     assert torch.equal(emb_out, weight0[tokens])
     assert torch.equal(head_out, F.linear(head_in, weight0.float()).to(half))
+
+
+class SwCompiledLM(LightningModule):
+    """The tied embedding and guarded LM head inside a module compiled in ``__init__`` (backend "eager": dynamo
+    traces the guards as with inductor, without minutes of C++ compiling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        lm = nn.ModuleDict({"emb": nn.Embedding(SW_VOCAB, SW_WIDTH), "fc": nn.Linear(SW_WIDTH, SW_WIDTH),
+                            "head": nn.Linear(SW_WIDTH, SW_VOCAB, bias=False)})  # fmt: skip
+        lm["head"].weight = lm["emb"].weight
+        self.lm = lm
+        self.body = torch.compile(self.run_lm, backend="eager")
+        self.residual: list[torch.dtype] = []
+        self.losses: list[float] = []
+
+    def run_lm(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.lm["emb"](tokens)
+        h = h + self.lm["fc"](h)
+        return self.lm["head"](h), h.dtype
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, target = batch
+        logits, residual = self.body(tokens)
+        self.residual.append(residual)
+        loss = F.cross_entropy(logits.float(), target)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.05, eps=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        tokens = torch.arange(SW_VOCAB).repeat(4)
+        return DataLoader(TensorDataset(tokens, (3 * tokens + 1) % SW_VOCAB), batch_size=8)
+
+
+@pytest.mark.parametrize("mode", ("bf16-true", "fp16-true"))
+def test_tied_head_under_torch_compile(mode: str) -> None:
+    """Under ``torch.compile`` the guarded head's half weight is upcast for its call too (in the graph)."""
+    torch._dynamo.reset()
+    model = SwCompiledLM()
+    opt_trainer(opt_plugin(mode, fp32_modules=["defaults", "head"]), max_steps=10).fit(model)
+    assert set(model.residual) == {SW_HALF[mode]}
+    assert all(math.isfinite(v) for v in model.losses)
+    assert sum(model.losses[-3:]) / 3 < 0.7 * sum(model.losses[:3]) / 3, model.losses
+    assert model.lm["head"].weight is model.lm["emb"].weight and model.lm["emb"].weight.dtype == SW_HALF[mode]
