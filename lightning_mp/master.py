@@ -318,7 +318,8 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, generator: Optional[torch.Ge
     other = torch.nextafter(nearest, toward)
     gap = (other.float() - near32).abs()
     p_other = torch.where(gap > 0, (x - near32).abs() / gap, torch.zeros_like(x))
-    draw = torch.rand(x.shape, device=x.device, generator=generator)
+    # (fp32 named: a manual optimization step runs where true-half modes make the default dtype half)
+    draw = torch.rand(x.shape, dtype=torch.float32, device=x.device, generator=generator)
     return torch.where(draw < p_other, other, nearest)
 
 

@@ -94,7 +94,7 @@ class NonfiniteGuard:
             stepped = state["stage"] is OptState.STEPPED
             raise RuntimeError("The inf/NaN check ran after step()." if stepped else
                                "The inf/NaN check already ran on this optimizer since the last update.")
-        found = verdict.check_grads_(optimizer, torch.zeros((), dtype=torch.float32, device=self.scale_device))
+        found = verdict.check_grads_(optimizer, verdict.zero_flag(self.scale_device))
         if self.sharded:
             found = self._reduce(found)
         state["found_inf_per_device"] = found
@@ -126,7 +126,7 @@ class NonfiniteGuard:
             self.check_(optimizer)
         found = state["found_inf_per_device"]
         if not found:  # no parameter of this optimizer has a gradient: nothing to check, nothing would change
-            found = state["found_inf_per_device"] = {self.scale_device: torch.zeros((), device=self.scale_device)}
+            found = state["found_inf_per_device"] = {self.scale_device: verdict.zero_flag(self.scale_device)}
         if self.sync_across_ranks and not self.verdict_agrees_across_ranks:
             # a gradient poisoned after DDP's all-reduce exists on one rank only: every rank must skip with it
             for flag in found.values():

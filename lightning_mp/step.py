@@ -455,7 +455,7 @@ class OptimizerSteps:
         if scaler.verdicts.stage(optimizer) is OptState.READY:
             scaler.unscale_(optimizer)  # the guard's read-only check (a loss scaler unscaled in prepare already)
         else:
-            flag = torch.zeros((), device=scaler.scale_device)
+            flag = checks.zero_flag(scaler.scale_device)  # (not the default dtype: half in manual true-half)
             for found in checks.check_grads_(optimizer, flag).values():
                 scaler.verdicts.add_(optimizer, found)
         state.dirty = False
@@ -562,7 +562,7 @@ class OptimizerSteps:
         assert scaler is not None and self.spike is not None  # called from _step with both
         inf_only = scaler.verdicts.of(optimizer)
         if inf_only is None:
-            inf_only = torch.zeros((), device=scaler.scale_device)
+            inf_only = checks.zero_flag(scaler.scale_device)
         else:
             inf_only = inf_only.reshape(()).float().clone()
         norm = state.norm if state.norm is not None else total_grad_norm(optimizer, sharded=scaler.sharded)
@@ -748,5 +748,5 @@ def _release_grads(optimizer: Optimizer) -> None:
 
 def _as_flag(verdict: Optional[Tensor], scaler: StepGuard) -> Tensor:
     if verdict is None:
-        return torch.zeros((), device=scaler.scale_device)
+        return checks.zero_flag(scaler.scale_device)
     return checks.one_flag([verdict], verdict.device)  # (a fused optimizer's found_inf: itself, no dispatcher call)

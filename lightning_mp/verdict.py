@@ -62,11 +62,19 @@ def takes_device_verdict(optimizer: torch.optim.Optimizer, scaling: bool, device
     return bool(fused) and (scaling or device.type in DEVICE_VERDICT_TYPES)
 
 
+def zero_flag(device: torch.device) -> torch.Tensor:
+    """A new 0-dim float32 verdict flag (0: nothing found) on ``device``, as torch's check kernels and fused optimizers
+    take ``found_inf``. The dtype is named: in manual optimization the step runs inside ``training_step``, where the
+    true-half modes make the default dtype half (as Lightning's ``HalfPrecision`` does), and a half flag is refused
+    there (``found_inf must be a float tensor``)."""
+    return torch.zeros((), dtype=torch.float32, device=device)
+
+
 def one_flag(flags: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """One 0-dim float32 flag on ``device`` from per-device ones (any raised: raised; none: a zero flag), as fused
     optimizers take ``found_inf``."""
     if not flags:
-        return torch.zeros((), device=device)
+        return zero_flag(device)
     if len(flags) == 1:
         flag = flags[0]
         if flag.dim() == 0 and flag.dtype is torch.float32 and flag.device == device:
@@ -213,6 +221,11 @@ def check_tensors_(per_dtype: dict[torch.dtype, list[torch.Tensor]], numel: int,
     Up to :data:`FUSED_CHECK_MAX_NUMEL` elements in all: torch's fused check-and-unscale kernel with a scale of 1
     (one launch; it rewrites each tensor with itself, bumping its version counter); above: the read-only inf-norm.
     """
+    if flag.dtype is not torch.float32:
+        raise TypeError(
+            f"check_tensors_: the flag is {flag.dtype}; it must be torch.float32 (torch's check kernels and fused"
+            " optimizers take no other): make it with verdict.zero_flag(device), not with the default dtype."
+        )
     with torch.no_grad():
         rest = []
         for dtype, tensors in _real_views(per_dtype).items():
