@@ -248,20 +248,20 @@ def _indexed(wrapper: Any) -> dict:
     return {i: copy.deepcopy(wrapper.state[p]) for i, p in enumerate(params) if p in wrapper.state}
 
 
-class AroundBatch(Callback):
-    """Snapshots at the start and the end of one training batch."""
+class AroundWindow(Callback):
+    """Snapshots at the start of batch ``first`` and at the end of batch ``last`` (an accumulation window)."""
 
-    def __init__(self, batch_idx: int, plugin: Any = None) -> None:
-        self.batch_idx, self.plugin = batch_idx, plugin
+    def __init__(self, first: int, last: int, plugin: Any = None) -> None:
+        self.first, self.last, self.plugin = first, last, plugin
         self.before: Optional[dict] = None
         self.after: Optional[dict] = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == self.batch_idx:
+        if batch_idx == self.first:
             self.before = snapshot(pl_module, self.plugin)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if batch_idx == self.batch_idx:
+        if batch_idx == self.last:
             self.after = snapshot(pl_module, self.plugin)
 
 
@@ -318,18 +318,31 @@ def test_wrapper_trains_with_master_weights(wrapper, mode, kind):
                 assert tensor.dtype == torch.float32, f"{what} state of a half parameter is {tensor.dtype}"
 
 
+#: how the steps are taken: Trainer arguments
+HOW = {
+    "plain": {},
+    "accumulate": {"accumulate_grad_batches": 2},
+    "clip-norm": {"gradient_clip_val": 0.5},
+    "clip-value": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+}
+
+
+@pytest.mark.parametrize("how", list(HOW))
 @pytest.mark.parametrize("mode", OPT_MODES)
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
-def test_wrapper_step_on_a_nan_batch_changes_nothing(wrapper, mode):
-    """A batch with a NaN input is skipped: the weights, the masters, the wrapper's and the base optimizer's state
-    (Adam's moments and step, the slow weights, the lookahead count) stay bit for bit as they were."""
+def test_wrapper_step_on_a_nan_batch_changes_nothing(wrapper, mode, how):
+    """A batch with a NaN input is skipped (its accumulation window's step, clipped or not): the weights, the masters,
+    the wrapper's and the base optimizer's state (Adam's moments and step, the slow weights, the lookahead count)
+    stay bit for bit as they were."""
     plugin = opt_plugin(mode)
-    around = AroundBatch(2, plugin)
+    accumulate = HOW[how].get("accumulate_grad_batches", 1)
+    around = AroundWindow(2, 2 + accumulate - 1, plugin)
     model = Wrapped(wrapper, poison=2)
-    opt_trainer(plugin, max_steps=4, callbacks=[around]).fit(model)
-    assert plugin.stats.skipped_steps == 1 and plugin.stats.steps == 4
+    steps = 4 if accumulate == 1 else 3
+    opt_trainer(plugin, max_steps=steps, callbacks=[around], **HOW[how]).fit(model)
+    assert plugin.stats.skipped_steps == 1 and plugin.stats.steps == steps
     assert around.before is not None and around.after is not None
-    opt_assert_nested_equal(around.after, around.before, f"{wrapper}, {mode}: the NaN batch")
+    opt_assert_nested_equal(around.after, around.before, f"{wrapper}, {mode}, {how}: the NaN batch")
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
