@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the names are, for type checkers and documentation tools
     from lightning_mp.callbacks import NonFiniteDetector, NonFiniteReport, PrecisionMonitor, PrecisionSchedule
     from lightning_mp.callbacks.monitor import ThroughputMonitor
+    from lightning_mp.fabric import MPFabricPrecision
     from lightning_mp.fp8 import FP8Config, FP8UnavailableError
     from lightning_mp.guards import (
         DEFAULT_FP32_MODULES,
@@ -68,6 +69,7 @@ __all__ = [
     "remove_fp32_guards",
     "stochastic_round",
     "MPPlugin",
+    "MPFabricPrecision",
     "NonFiniteTrainingError",
     "PrecisionMode",
     "StepStats",
@@ -100,6 +102,7 @@ _SOURCES = {
     "resolve_mode": "lightning_mp.modes",
     "NonfiniteGuard": "lightning_mp.nonfinite",
     "MPPlugin": "lightning_mp.plugin",
+    "MPFabricPrecision": "lightning_mp.fabric",
     "prepare_fp8": "lightning_mp.prepare",
     "DynamicLossScaler": "lightning_mp.scaling",
     "NonFiniteTrainingError": "lightning_mp.stats",

@@ -1,0 +1,467 @@
+"""MPFabricPrecision: lightning_mp for Lightning Fabric, on the same optimizer step as the Trainer's ``MPPlugin``.
+
+Fabric hands a precision plugin less than the Trainer does: ``convert_module`` sees the model at ``fabric.setup``
+(before Fabric moves it to the device), ``forward_context`` opens around each forward, ``backward`` gets the loss,
+``optimizer_step`` and ``unscale_gradients`` (``fabric.clip_gradients``) get the optimizer alone. So the run is
+set up in two parts:
+
+- at ``convert_module``: in true-half modes the FP32 guards and the cast to half (Fabric's ``HalfPrecision`` casts
+  there too; the guard spec of these modes does not depend on the device);
+- at the first contact after it (a forward, ``backward``, a step, :meth:`MPFabricPrecision.setup_optimizers`), on
+  the device the parameters are on: the mode's device checks and scaler, the guards of the other modes (which
+  depend on the device type), the master weights, and the :class:`~lightning_mp.step.OptimizerSteps` that runs
+  every step. An optimizer joins at its first contact (or :meth:`~MPFabricPrecision.setup_optimizers`).
+
+Each ``optimizer.step()`` is one whole step, as under Fabric's ``MixedPrecision`` (its ``GradScaler`` updates right
+after each step): the loss scale moves and the buffer snapshot goes after it. Fabric has no end-of-run hook:
+:meth:`MPFabricPrecision.teardown` undoes what the plugin changed on the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional, Union, cast
+
+import torch
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities import apply_to_collection
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning_mp.distributed as distributed
+from lightning_mp.checkpoint import _load_master_weights, load_plugin_state, normalise, plugin_state
+from lightning_mp.fp8 import FP8Config
+from lightning_mp.guards import FP32GuardSpec, guard_for_run
+from lightning_mp.master import keeps_own_masters, seed_optimizer_masters
+from lightning_mp.modes import MODES, PrecisionMode
+from lightning_mp.options import announce, describe, plugin_compute_dtype
+from lightning_mp.patches import Patches
+from lightning_mp.run_precision import RunPrecision
+from lightning_mp.settings import DEFAULTS, MPSettings
+from lightning_mp.spike import SpikeGuard
+from lightning_mp.stats import StepStats
+from lightning_mp.step import OptimizerSteps
+from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
+
+
+class _FabricLoop:
+    """What :meth:`OptimizerSteps.run` reads of the model it steps, for a Fabric loop: each ``optimizer.step()``
+    is a whole step (its closure, if any, evaluated first; the loss scale moves and the buffer snapshot goes right
+    after it), and there is no Trainer. The loop itself runs forward, backward and ``zero_grad``."""
+
+    automatic_optimization = True
+    _trainer = None
+
+
+_FABRIC_LOOP = cast(LightningModule, _FabricLoop())
+
+
+def _nothing() -> None:
+    """No hooks run between Fabric's clipping and the step: the user's loop calls both."""
+
+
+class MPFabricPrecision(Precision):
+    """lightning_mp's precision for Lightning Fabric: autocast or true-half weights, loss scaling, FP32 guards,
+    master weights, and inf/NaN step skipping, with :class:`~lightning_mp.MPPlugin`'s modes and arguments.
+
+    Example::
+
+        plugin = MPFabricPrecision("bf16-true")
+        fabric = Fabric(accelerator="cuda", devices=1, plugins=[plugin])
+        model, optimizer = fabric.setup(model, optimizer)
+        plugin.setup_optimizers(optimizer)          # before fabric.load: the optimizer state stays fp32
+        for batch in loader:
+            loss = model(batch).mean()
+            fabric.backward(loss)
+            fabric.clip_gradients(model, optimizer, max_norm=1.0, error_if_nonfinite=False)
+            optimizer.step()                        # skipped (nothing changes) if a gradient is inf/NaN
+            optimizer.zero_grad()
+        fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer, "precision": plugin})
+        plugin.teardown()                           # the model is a plain module again
+        print(plugin.stats)                         # steps, skipped_steps, loss_scale, ...
+
+    The arguments are :class:`~lightning_mp.MPPlugin`'s (checked by the same
+    :class:`~lightning_mp.settings.MPSettings`), except three that have nothing to act on under Fabric:
+    ``hold_schedulers_on_skip`` and ``release_grads_after_step`` (the loop steps its schedulers and zeroes its
+    gradients itself: read ``plugin.stats.skipped`` to hold a scheduler), and ``reduce_dtype``/``fsdp_param_dtype``,
+    which are refused (Fabric wraps the model after this plugin sees it; a DDP communication hook goes to
+    ``DDPStrategy(ddp_comm_hook=...)``).
+    """
+
+    def __init__(
+        self,
+        precision: str = DEFAULTS["precision"],
+        device: Optional[str] = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        *,
+        init_scale: float = DEFAULTS["init_scale"],
+        growth_factor: float = DEFAULTS["growth_factor"],
+        backoff_factor: float = DEFAULTS["backoff_factor"],
+        growth_interval: int = DEFAULTS["growth_interval"],
+        hysteresis: int = DEFAULTS["hysteresis"],
+        consecutive_hysteresis: bool = DEFAULTS["consecutive_hysteresis"],
+        min_scale: float = DEFAULTS["min_scale"],
+        max_scale: float = DEFAULTS["max_scale"],
+        loss_scale: Optional[float] = None,
+        skip_nonfinite: bool = DEFAULTS["skip_nonfinite"],
+        max_consecutive_skips: Optional[int] = DEFAULTS["max_consecutive_skips"],
+        hold_schedulers_on_skip: bool = DEFAULTS["hold_schedulers_on_skip"],
+        tf32: Optional[bool] = None,
+        release_grads_after_step: bool = DEFAULTS["release_grads_after_step"],
+        fp32_modules: Optional[list[str]] = None,
+        master_weights: Optional[Union[str, bool]] = None,
+        fp8: Optional[Union[FP8Config, dict]] = None,
+        reduce_dtype: Optional[str] = None,
+        fsdp_param_dtype: Optional[str] = None,
+        spike_sigma: Optional[float] = None,
+        spike_window: int = DEFAULTS["spike_window"],
+    ) -> None:
+        arguments = {name: value for name, value in locals().items() if name != "self"}  # (first: the arguments alone)
+        self._settings = settings = MPSettings.from_arguments(**arguments)  # every bad value raises here
+        _refuse_wrapper_dtypes(settings)
+        skips = settings.skips
+        self._spike = None if skips.spike_sigma is None else SpikeGuard(skips.spike_sigma, skips.spike_window)
+        self._patches = Patches()  # every change to objects we do not own, undone by teardown()
+        self._weights = MasterWeightsSetup(settings.master_weights)
+        self._run = RunPrecision(
+            settings, device=settings.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            weights=self._weights, patches=self._patches,
+        )  # fmt: skip
+        self.stats = StepStats(self._run.scaler, spike=self._spike)
+        self._steps: Optional[OptimizerSteps] = None
+        self._modules: list[nn.Module] = []  # what fabric.setup converted, in order
+        self._container: Optional[nn.Module] = None  # the module, or a ModuleList of several (names, buffers)
+        self._optimizers: list[Optimizer] = []  # in the order they joined (their counters' order)
+        self._guarded: set[int] = set()  # ids of the modules whose FP32 guards are installed
+        #: a loaded checkpoint's (mode, master weights), applied at the next step: once fabric.load has loaded the
+        #: model whatever the order of its state dict, and the optimizers are known
+        self._pending: Optional[tuple[Any, Any]] = None
+
+    # ------------------------------------------------------------------ what runs (read-only; as MPPlugin's)
+    mode = property(lambda self: self._run.mode, doc="The precision mode in force (``None`` for auto until set-up).")
+    precision = property(lambda self: self._run.lightning_precision, doc="Lightning's name of the mode.")
+    scaler = property(lambda self: _loss_scaler(self._run.scaler), doc=(
+        "The loss scaler (fp16 modes; ``None`` where the loss is not scaled, as Fabric's plugins)."))
+    device = property(lambda self: self._run.device, doc="The device type the run uses.")
+    masters = property(lambda self: self._weights.masters, doc="The master weights (``None`` before set-up, or none).")
+    requested_precision = property(lambda self: self._run.requested, doc="The precision as asked for (``auto`` kept).")
+    master_weights = property(lambda self: self._weights.kind(self.mode), doc="The master-weights option in force.")
+    settings = property(lambda self: self._settings, doc="What was asked for, checked: :class:`MPSettings`.")
+    fp32_guards = property(lambda self: self.settings.fp32_modules, doc="The FP32 guards (``fp32_modules``, parsed).")
+    fp8_config = property(lambda self: self.settings.fp8, doc="The fp8 settings (``fp8``, an ``FP8Config``).")
+    max_consecutive_skips = property(lambda self: self.settings.skips.max_consecutive_skips)
+    reduce_dtype = property(lambda self: self.settings.distributed.reduce_dtype)
+    fsdp_param_dtype = property(lambda self: self.settings.distributed.fsdp_param_dtype)
+    __repr__ = describe  # MPFabricPrecision('fp16', init_scale=1024.0)
+    compute_dtype = plugin_compute_dtype
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        """``fabric.setup``: in true-half modes guard the FP32 modules and cast the other weights to half (in place);
+        the other modes' guards wait for the device (the first forward)."""
+        if any(m is module for m in self._modules):
+            return module
+        self._modules.append(module)
+        self._container = self._modules[0] if len(self._modules) == 1 else nn.ModuleList(self._modules)
+        mode = self._run.mode
+        if mode is not None and mode.true_half:
+            self._guard(module, device_type=None)
+        if mode is not None and mode.fp8:
+            self._run.convert_fp8(module, torch.device(self._run.device))  # (raises where FP8 cannot run)
+        if self._steps is not None:  # a model set up after training started (a teacher, a second model)
+            self._guard(module, device_type=distributed.root_device(None, module).type)
+            self._name_parameters()
+        return module
+
+    def setup_optimizers(self, *optimizers: Any) -> None:
+        """Give the plugin the run's optimizers now, after ``fabric.setup`` (Fabric's optimizers or torch's).
+
+        Optional for training (an optimizer joins at its first step), needed for an exact resume: before
+        ``fabric.load``, so that loading the optimizer state keeps it fp32 for half-precision parameters (torch's
+        ``Optimizer.load_state_dict`` casts it to the parameters' dtype otherwise)."""
+        self._connected()
+        for optimizer in optimizers:
+            self._join(_unwrap(optimizer))
+
+    def _guard(self, module: nn.Module, device_type: Optional[str]) -> None:
+        """Install the FP32 guards on ``module`` for this run (once), with their undo recorded."""
+        if id(module) in self._guarded:
+            return
+        self._guarded.add(id(module))
+        guarded, unguard = guard_for_run(module, self._fp32_guard_spec(device_type))
+        self._patches.add(f"FP32 guards on {len(guarded)} modules of {type(module).__name__}", unguard)
+        self._patches.add(f"fp32 weights of the guarded modules of {type(module).__name__}",
+                          cast_weights_(module, self.mode, guarded))  # fmt: skip
+
+    def _fp32_guard_spec(self, device_type: Optional[str]) -> FP32GuardSpec:
+        """The FP32 guards of this run: ``fp32_modules`` as the mode (and, for autocast, the device) uses them."""
+        spec, mode = self.fp32_guards, self.mode
+        if mode is not None and not mode.true_half and (device_type or self.device) == "cuda":
+            spec = spec.without_autocast_fp32()  # CUDA autocast computes these in fp32 already
+        if mode is not None and mode.param_dtype is torch.bfloat16 and self._weights.kind(mode) != "none":
+            spec = spec.with_native_layer_norm()  # torch's LayerNorm on bf16 computes in fp32; masters keep fp32
+        return spec
+
+    def _connected(self) -> OptimizerSteps:
+        """The run's step, set up at the first contact after ``fabric.setup``, on the parameters' device."""
+        if self._steps is not None:
+            return self._steps
+        container = self._container
+        if container is None:
+            raise MisconfigurationException(
+                "MPFabricPrecision: no model was set up. Call fabric.setup(model, optimizer) (or"
+                " fabric.setup_module(model)) before training: the plugin converts and guards the model there."
+            )
+        device = distributed.root_device(None, container)
+        run = self._run
+        run.connect(device)  # auto settles, the device is checked, the scaler moves there, TF32
+        for module in self._modules:
+            self._guard(module, device.type)
+        announce(self)
+        self.stats.set_scaler(run.scaler)
+        distributed.connect(container, run.scaler, None, None, [])  # under DDP every rank takes the worst verdict
+        masters = self._weights.connect(self.active_mode, container, [], fsdp=False, device=device)
+        fp8 = run.fp8 if run.fp8 is not None and self.active_mode.fp8 else None
+        steps = OptimizerSteps(
+            run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
+            saturation=fp8.sentinel.take if fp8 is not None else None, spike=self._spike, release_grads=False,
+        )  # fmt: skip
+        steps.connect(None, [])
+        self._steps = steps
+        self.stats.set_namer(self._weights.namer(container))
+        run.connect_fp8(None, device, watch=run.scaler is not None, optimizers=[])
+        return steps
+
+    @property
+    def active_mode(self) -> PrecisionMode:
+        return self._run.active
+
+    def _name_parameters(self) -> None:
+        """Masters and counters name parameters after the set-up models (checkpoints, ``NonFiniteDetector``)."""
+        container = self._container
+        assert container is not None  # (after convert_module)
+        if self.masters is not None:
+            self.masters.name_parameters(container)
+        self.stats.set_namer(self._weights.namer(container))
+
+    def _join(self, optimizer: Optimizer) -> None:
+        """An optimizer of the run, seen for the first time: its half parameters get masters, its state loading keeps
+        them fp32; the buffer snapshot finds the buffers' owners again."""
+        if any(opt is optimizer for opt in self._optimizers):
+            return
+        if not isinstance(getattr(optimizer, "param_groups", None), list):
+            raise MisconfigurationException(
+                f"MPFabricPrecision steps torch optimizers, got {type(optimizer).__name__}: it runs on single-device"
+                " and DDP strategies. DeepSpeed runs its own precision: use Fabric(precision=...) with it."
+            )
+        self._optimizers.append(optimizer)
+        self._check_optimizer_masters(optimizer)
+        masters = self._steps.masters if self._steps is not None else None
+        if masters is not None:
+            masters.attach(optimizer)
+        if self._steps is not None and len(self._optimizers) > 1:
+            self._steps.buffers.forget_plan()
+
+    def _check_optimizer_masters(self, optimizer: Optimizer) -> None:
+        mode = self.active_mode
+        if not mode.true_half:
+            return
+        kind, own = self.master_weights, keeps_own_masters(optimizer)
+        if kind == "optimizer" and not own:
+            raise MisconfigurationException(
+                f"MPFabricPrecision(precision={mode.name!r}, master_weights='optimizer') needs optimizers that keep"
+                f" fp32 master weights themselves, but {type(optimizer).__name__} does not (no master_weights=True)."
+                " Use master_weights='fp32' (the default) with any optimizer."
+            )
+        if own and kind != "optimizer":
+            raise MisconfigurationException(
+                f"MPFabricPrecision(precision={mode.name!r}, master_weights={kind!r}) with"
+                f" {type(optimizer).__name__}, which keeps fp32 master weights itself: there would be two sets."
+                " Pass master_weights='optimizer' to the plugin, or master_weights=False to the optimizer."
+            )
+        if own:
+            seed_optimizer_masters(optimizer)
+
+    # ------------------------------------------------------------------ forward
+    def _dtype(self) -> Optional[torch.dtype]:
+        mode = self._run.mode
+        return None if mode is None else (mode.param_dtype or mode.autocast_dtype)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        """Floating-point inputs in the mode's 16-bit dtype, as Fabric's ``MixedPrecision``/``HalfPrecision``."""
+        dtype = self._dtype()
+        return data if dtype is None else apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=dtype)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Floating-point outputs in the default dtype (fp32), as Fabric's plugins: the loss is computed in fp32."""
+        if self._dtype() is None:
+            return data
+        return apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=torch.get_default_dtype())
+
+    @override
+    def forward_context(self) -> Any:
+        """Autocast (mixed modes) or the half default dtype (true-half) around a forward. A training forward after
+        the last step snapshots the buffers a skipped step puts back."""
+        training = torch.is_grad_enabled() and any(m.training for m in self._modules)
+        if self._modules:
+            steps = self._connected()  # (an evaluation alone runs with the guards of the device too)
+            if training:
+                steps.begin_batch(self._container, self._optimizers)
+        mode = self._run.mode
+        if mode is None:
+            return contextlib.nullcontext()
+        if mode.param_dtype is not None:
+            return _DtypeContextManager(mode.param_dtype)
+        if mode.autocast_dtype is None:
+            return contextlib.nullcontext()
+        # no weight-cast cache: fabric.autocast() may hold a whole step, the optimizer's too
+        context = torch.autocast(self.device, dtype=mode.autocast_dtype, cache_enabled=False)
+        fp8 = self._run.fp8
+        if fp8 is not None and mode.fp8:
+            stack = contextlib.ExitStack()
+            stack.enter_context(context)
+            stack.enter_context(fp8.autocast(training=training))
+            return stack
+        return context
+
+    # ------------------------------------------------------------------ backward
+    @override
+    def pre_backward(self, tensor: Tensor, module: Optional[nn.Module]) -> Any:
+        self._connected().before_backward(cast(nn.Module, self._container), tensor)  # the spike guard's loss
+
+    @override
+    def backward(self, tensor: Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        scaler = self._run.scaler
+        if scaler is not None and scaler.scaling:
+            tensor = scaler.scale(tensor)
+        tensor.backward(*args, **kwargs)
+
+    @override
+    def post_backward(self, tensor: Tensor, module: Optional[nn.Module]) -> Any:
+        self._connected().after_backward(cast(nn.Module, self._container))
+
+    # ------------------------------------------------------------------ the step and clipping
+    def _before_step(self, optimizer: Optimizer) -> OptimizerSteps:
+        steps = self._connected()
+        self._join(optimizer)
+        if self._pending is not None:
+            self._load_pending()
+        return steps
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """``optimizer.step()``: one whole step of :class:`~lightning_mp.step.OptimizerSteps` (a closure given is
+        evaluated first, or by the optimizer where it evaluates closures itself, as LBFGS)."""
+        steps = self._before_step(optimizer)
+        closure: Optional[Callable[[], Any]] = kwargs.pop("closure", None)
+        result: list[Any] = []
+        if closure is None:
+            run_closure: Callable[[], Any] = _nothing
+        else:
+            def run_closure() -> Any:
+                result.append(closure())
+                return result[-1]
+        out = steps.run(optimizer, _FABRIC_LOOP, run_closure, _nothing, **kwargs)
+        if self._run.fp8 is not None:
+            self._run.fp8.weights_updated()  # FP8 weight casts cached across micro-batches expire
+        # (torch's step returns the closure's loss: so does this one where the closure ran before the step)
+        return result[0] if out is None and result else out
+
+    @override
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Before ``fabric.clip_gradients`` clips: the true gradients (unscaled; fp32 in true-half modes) in
+        :meth:`main_params`, and the step's inf/NaN verdict taken, since clipping by value makes an inf finite."""
+        self._before_step(optimizer).check_before_clamp(optimizer)
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> Any:
+        steps = self._steps
+        return steps.main_params(optimizer) if steps is not None else Precision.main_params(self, optimizer)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """The loss scale, the step counters, the master weights (``fabric.save(path, {..., "precision": plugin})``)."""
+        if self._pending is not None and self._container is not None:
+            self._connected()
+            self._load_pending()
+        state = plugin_state(self._run.name, self._run.scaler, self.masters, self._run.fp8, self.stats, self._spike)
+        if self._pending is not None and self._pending[1] is not None:  # loaded, not applied yet (no model yet)
+            state["master_weights"] = self._pending[1]
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The loss scale, counters and loss-spike window now; the master weights at the next step, once the model
+        is loaded (whatever the order of the state fabric.load restores) and the optimizers are known."""
+        state = normalise(state_dict)
+        now = {key: value for key, value in state.items() if key != "master_weights"}
+        load_plugin_state(now, current_mode=self._run.name, scaler=self._run.scaler, masters=None, master_weights=None,
+                          fp8=self._run.fp8, stats=self.stats, module=None, spike=self._spike)  # fmt: skip
+        self._pending = (state["mode"], state.get("master_weights"))
+        if state.get("master_weights") is not None and not self._optimizers:
+            rank_zero_warn(
+                "MPFabricPrecision: the checkpoint holds master weights, but no optimizer was given to"
+                " plugin.setup_optimizers(...) before fabric.load: torch's Optimizer.load_state_dict casts the"
+                " optimizer state of half-precision parameters to their dtype, so the resume is not exact. Call"
+                " plugin.setup_optimizers(optimizer) after fabric.setup and before fabric.load."
+            )
+
+    def _load_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        assert pending is not None and self._container is not None  # (callers check both)
+        saved_mode, saved = pending
+        known = MODES.get(saved_mode) if isinstance(saved_mode, str) else None
+        _load_master_weights(saved, self.masters if self._steps_have_masters() else None, self.master_weights,
+                             self._run.name, self._container, known.param_dtype if known is not None else None)
+
+    def _steps_have_masters(self) -> bool:
+        return self._steps is not None and self._steps.masters is not None
+
+    # ------------------------------------------------------------------ teardown
+    @override
+    def teardown(self) -> None:
+        """End the run: the last step's state goes, every change to the models is undone (FP32 guards, the fp32
+        weights of guarded modules in true-half modes become half as Fabric's ``HalfPrecision`` leaves them, TF32
+        flags). Fabric calls no teardown of its own: call this (or ``fabric.strategy.teardown()``) when training
+        ends. The counters, the loss scale and the master weights stay with the plugin; ``fabric.setup`` starts
+        another run."""
+        try:
+            if self._steps is not None:
+                self._steps.close()
+        finally:
+            self._steps = None
+            self._modules, self._container, self._optimizers = [], None, []
+            self._guarded.clear()
+            self._patches.undo_all()
+
+
+def _unwrap(optimizer: Any) -> Optimizer:
+    """The torch optimizer inside Fabric's ``_FabricOptimizer``."""
+    return getattr(optimizer, "optimizer", optimizer) if hasattr(optimizer, "_strategy") else optimizer
+
+
+def _loss_scaler(scaler: Any) -> Any:
+    """The scaler that scales the loss (the user's own where one was given), not the inf/NaN guard of other modes."""
+    if scaler is None or not getattr(scaler, "scaling", True):
+        return None
+    return getattr(scaler, "twin", None) or scaler
+
+
+def _refuse_wrapper_dtypes(settings: MPSettings) -> None:
+    given = {name: value for name, value in settings.distributed.changed().items() if value not in (None, "fp32")}
+    if given:
+        names = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        raise ValueError(
+            f"MPFabricPrecision({names}): Fabric wraps the model in DDP or FSDP after the precision plugin sees it,"
+            " so these cannot be applied. Leave them unset; compress DDP's gradients with"
+            " DDPStrategy(ddp_comm_hook=...)."
+        )
