@@ -22,7 +22,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 import lightning_mp.verdict as verdict
 from lightning_mp.scaling import DynamicLossScaler, checked_torch_state
-from lightning_mp.verdict import Verdicts
+from lightning_mp.verdict import SKIPPED, Verdicts
 
 
 class NonfiniteGuard:
@@ -33,8 +33,8 @@ class NonfiniteGuard:
         guard = NonfiniteGuard("cuda")
         loss.backward()
         guard.check_(optimizer)              # one fused kernel over the gradients (no host sync)
-        guard.step(optimizer)                # skipped if a gradient was inf/NaN
-        guard.update_from([guard.last_skipped_host])   # the batch is over
+        _, skipped = guard.step_outcome(optimizer)   # skipped if a gradient was inf/NaN (None: on the device)
+        guard.update_from([skipped])         # the batch is over
 
     A fused optimizer (``_step_supports_amp_scaling``) on CUDA gets the verdict as ``found_inf`` and skips on the
     device (no host sync); otherwise the host reads the flag, as ``torch.amp.GradScaler`` does.
@@ -54,7 +54,6 @@ class NonfiniteGuard:
         #: with several processes, agree on the verdict (all-reduce MAX) so every rank takes the same step
         self.sync_across_ranks = False
         #: whether the last step was skipped, when known on the host without a sync (``None`` otherwise)
-        self.last_skipped_host: Optional[bool] = None
 
     def __repr__(self) -> str:
         return f"NonfiniteGuard({self._device!r}{', sharded=True' if self.sharded else ''})"
@@ -115,7 +114,7 @@ class NonfiniteGuard:
         """Step ``optimizer`` unless this step's verdict (checked now if no source set it) says a gradient is inf/NaN.
 
         A fused optimizer on CUDA gets the verdict as ``found_inf`` and skips on the device (no host sync;
-        :attr:`last_skipped_host` stays ``None``); otherwise the host reads it (torch's scaler pays this sync too).
+        :meth:`step_outcome` says ``None``); otherwise the host reads it (torch's scaler pays this sync too).
         """
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported by the inf/NaN step guard (nor by torch's GradScaler).")
@@ -143,8 +142,13 @@ class NonfiniteGuard:
             finally:
                 del optimizer.found_inf  # type: ignore[attr-defined]
         skipped = any(bool(flag.item()) for flag in found.values())
-        self.last_skipped_host = skipped if self.last_skipped_host is None else (self.last_skipped_host or skipped)
+        state[SKIPPED] = skipped
         return None if skipped else optimizer.step(*args, **kwargs)
+
+    def step_outcome(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> tuple[Any, Optional[bool]]:
+        """:meth:`step`, and whether it skipped where the host knows (``None``: decided on the device)."""
+        out = self.step(optimizer, **kwargs)
+        return out, self._per_optimizer_states[id(optimizer)].get(SKIPPED)
 
     def update(self) -> None:
         """The training batch is over: forget its verdicts (nothing moves; the step counts the outcomes)."""

@@ -24,6 +24,7 @@ from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 import lightning_mp.verdict as verdict
+from lightning_mp.verdict import SKIPPED
 from lightning_mp.settings import (
     DEFAULTS,
     check_factors,
@@ -172,8 +173,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.verdicts = Verdicts(self)
         #: the ``torch.amp.GradScaler`` a user gave (:func:`adopt_scaler`): it shares the scale and growth tensors
         self.twin: Optional[torch.amp.GradScaler] = None
-        #: whether the last step was skipped, when known on the host without a sync (``None`` otherwise)
-        self.last_skipped_host: Optional[bool] = None
         #: with several processes, agree on the inf/NaN verdict (all-reduce MAX) so every rank takes the same step
         self.sync_across_ranks = False
         if not self._enabled:  # torch keeps nothing; the empty slots let the reads below work unguarded
@@ -220,7 +219,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _maybe_opt_step(self, optimizer, optimizer_state, *args: Any, **kwargs: Any):
         # torch pays its one host sync here; keep its answer so the step's outcome is known without another.
         found = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
-        self.last_skipped_host = found if self.last_skipped_host is None else (self.last_skipped_host or found)
+        optimizer_state[SKIPPED] = found
         return None if found else optimizer.step(*args, **kwargs)
 
     def _fused_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict, *args: Any, **kwargs: Any) -> Any:
@@ -245,7 +244,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         ``found_inf``, unscales in its kernel and skips on the device, exactly as torch's scaler has it.
         """
         if not self._enabled:
-            self.last_skipped_host = False
             return optimizer.step(*args, **kwargs)
         fused = verdict.takes_device_verdict(optimizer, True, self.scale_device)
         if fused and _takes_grad_scaler(type(optimizer)):
@@ -253,8 +251,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         scale = self._check_scale_growth_tracker("step")[0]
-        if not any(s["stage"] is OptState.STEPPED for s in self._per_optimizer_states.values()):
-            self.last_skipped_host = None  # the first step since update(): a fresh verdict
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -271,6 +267,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         retval = (self._fused_step if fused else self._maybe_opt_step)(optimizer, state, *args, **kwargs)
         state["stage"] = OptState.STEPPED
         return retval
+
+    def step_outcome(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> tuple[Any, Optional[bool]]:
+        """:meth:`step`, and whether it skipped where the host knows without another sync (``None``: a fused
+        optimizer decided on the device, with the verdict :meth:`Verdicts.of` holds)."""
+        if not self._enabled:
+            return optimizer.step(**kwargs), False
+        out = self.step(optimizer, **kwargs)
+        return out, self._per_optimizer_states[id(optimizer)].get(SKIPPED)
 
     def update(self, new_scale: Optional[float | torch.Tensor] = None) -> None:
         """Update counters and the scale from this step's inf checks, on the device (no host sync)."""
@@ -317,9 +321,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     steps = property(lambda self: self.skips.value(0))
     skipped_steps = property(lambda self: self.skips.value(1))
     consecutive_skips = property(lambda self: self.skips.value(2))
-    last_skipped = property(
-        lambda self: self.last_skipped_host if self.last_skipped_host is not None else bool(self.skips.value(3))
-    )
+    last_skipped = property(lambda self: bool(self.skips.value(3)))
 
     def counters_tensor(self) -> Optional[torch.Tensor]:
         """The device tensor ``[steps, skipped_steps, consecutive_skips, last_skipped]`` (no sync)."""

@@ -90,6 +90,23 @@ class _OptimizerState:
     check: Optional[checks.PlannedCheck] = None
 
 
+@dataclass
+class Outcome:
+    """What one optimizer step did, as the plan that ran it found out: the value every plan hands to the one routine
+    that finishes a step (:meth:`OptimizerSteps._finish`)."""
+
+    #: skipped or not, where the host knows (the step paid torch's one sync, or nothing was checked); ``None``: only
+    #: the device knows (a fused optimizer skipped on ``flag``)
+    skipped: Optional[bool]
+    #: the device verdict (non-zero: skipped) where the host does not know
+    flag: Optional[Tensor] = None
+    #: what the loss scale moves on (``None``: no scaler): the outcome, or the inf/NaN verdict alone where a loss
+    #: spike joined the skip (a spike is no overflow)
+    scale_verdict: Tensor | bool | None = None
+    #: the master weights' records of the step, written back by the finish (true-half)
+    records: Optional[StepRecords] = None
+
+
 class OptimizerSteps:
     """Runs every optimizer step of a training run (see the module docstring for the order).
 
@@ -264,18 +281,62 @@ class OptimizerSteps:
         state = self._state(optimizer)
         plan = state.plan or self._plan(state, model)
         if plan is _CHECK_ONLY or plan is _CHECK_ONLY_FUSED:
-            return self._run_check_only(optimizer, state, model, closure, hooks_and_clipping, kwargs)
+            out, outcome = self._run_check_only(optimizer, state, closure, hooks_and_clipping, kwargs)
         # (manual optimization: a closure given to opt.step() is evaluated inside the step, as Lightning does)
-        if plan is _CLOSURE or (not model.automatic_optimization and closure is not do_nothing_closure):
-            return self._run_with_closure(optimizer, model, closure, hooks_and_clipping, **kwargs)
+        elif plan is _CLOSURE or (not model.automatic_optimization and closure is not do_nothing_closure):
+            out, outcome = self._run_with_closure(optimizer, state, closure, hooks_and_clipping, kwargs)
+        else:
+            out, outcome = self._run_general(optimizer, state, closure, hooks_and_clipping, kwargs)
+        self._finish(optimizer, state, model, outcome)
+        return out
+
+    def _run_general(
+        self,
+        optimizer: Optimizer,
+        state: _OptimizerState,
+        closure: Callable[[], Any],
+        hooks_and_clipping: Callable[[], None],
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Outcome]:
+        """The general plan: stages 1–7 in full (:meth:`prepare`, the hooks, :meth:`_step`)."""
         closure()  # (a training_step that returned None still steps with the gradients there are, as Lightning does)
         try:
             self.prepare(optimizer)
             hooks_and_clipping()  # reports through hooks_ran
-            return self._step(optimizer, state, model, **kwargs)
+            return self._step(optimizer, state, **kwargs)
         finally:
             if state.stage is Stage.PREPARED:
                 self._abandon(state)  # an error inside the step
+
+    def _finish(self, optimizer: Optimizer, state: _OptimizerState, model: Any, outcome: Outcome) -> None:
+        """Stage 8 and what every step ends with, whichever plan ran it: the half weights written back (skipped:
+        as they were), the buffers put back on a skip, the outcome counted, the gradients released, the loss scale
+        moved once the batch is over, the divergence stop."""
+        if outcome.records is not None:
+            assert self.masters is not None  # records: gathered by the masters
+            self.masters.write_back(outcome.records, skipped=outcome.skipped, found_inf=outcome.flag)
+            state.records = None
+        if outcome.skipped is not False:
+            self.buffers.restore(optimizer, outcome.skipped, outcome.flag)
+        scaler = self._scaler
+        if scaler is not None:
+            scaler.verdicts.forget(optimizer)
+            self._batch_verdicts.append(cast("Tensor | bool", outcome.scale_verdict))
+        state.stats.record(outcome.skipped, outcome.flag)
+        state.norm = None
+        automatic = model.automatic_optimization
+        if automatic:
+            if self.release_grads:
+                _release_grads(optimizer)
+            self._update_scale()  # one optimizer per batch: the batch is over
+            self.buffers.drop()
+            state.stage = Stage.READY
+            self._loss = self._last_loss = None
+        else:
+            state.stage = Stage.STEPPED
+            if self._loss is not None:  # the next step judges the losses of the backward calls after this one
+                self._last_loss, self._loss = self._loss, None
+        self._check_divergence(model, state)
 
     def _plan(self, state: _OptimizerState, model: LightningModule) -> str:
         """Decide once what this optimizer's steps do (kept until the scaler or the optimizers change).
@@ -314,20 +375,18 @@ class OptimizerSteps:
         self,
         optimizer: Optimizer,
         state: _OptimizerState,
-        model: LightningModule,
         closure: Callable[[], Any],
         hooks_and_clipping: Callable[[], None],
         kwargs: dict[str, Any],
-    ) -> Any:
-        """The check-only plans: stages 1–8 with nothing to gather, unscale, reduce or join."""
+    ) -> tuple[Any, Outcome]:
+        """The check-only plans: stages 1–7 with nothing to gather, unscale, reduce or join."""
         closure()
         scaler = self._scaler
         assert scaler is not None  # the check-only plans have one (_plan)
         state.stage, state.dirty = Stage.PREPARED, True
         try:
             hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
-            torch_state = scaler._per_optimizer_states.get(id(optimizer))
-            if torch_state is None or torch_state["stage"] is OptState.READY:
+            if scaler.verdicts.stage(optimizer) is OptState.READY:
                 flag = self._flags.take(scaler.scale_device)  # (zeroed 64 at a time: no allocation a step)
                 check = state.check
                 if check is not None and check.count != checks.PlannedCheck.count_of(optimizer):  # add_param_group
@@ -338,7 +397,7 @@ class OptimizerSteps:
             else:
                 if state.dirty:  # a configure_gradient_clipping override wrote after the norm was taken
                     self._check(optimizer, state)
-                found = torch_state["found_inf_per_device"]
+                found = scaler.verdicts.found(optimizer)
             if state.plan is _CHECK_ONLY_FUSED:  # the kernel skips on found_inf == 1: no host sync
                 flags = list(found.values())
                 verdict: Optional[Tensor] = checks.one_flag(flags, flags[0].device if flags else scaler.scale_device)
@@ -356,20 +415,7 @@ class OptimizerSteps:
         finally:
             if state.stage is Stage.PREPARED:
                 self._abandon(state)  # an error inside the step
-        scaler.verdicts.forget(optimizer)
-        if skipped is not False:
-            self.buffers.restore(optimizer, skipped, verdict)
-        state.stats.record(skipped, verdict)
-        if self.release_grads:
-            _release_grads(optimizer)
-        state.norm = None
-        self._batch_verdicts.append(skipped if skipped is not None else _as_flag(verdict, scaler))
-        self._update_scale()  # one optimizer per batch: the batch is over
-        self.buffers.drop()
-        state.stage = Stage.READY
-        self._last_loss = None
-        self._check_divergence(model, state)
-        return out
+        return out, Outcome(skipped, verdict, skipped if skipped is not None else _as_flag(verdict, scaler))
 
     def prepare(self, optimizer: Optimizer) -> None:
         """READY → PREPARED: gather fp32 gradients (true-half), unscale them (fp16). Idempotent."""
@@ -490,9 +536,10 @@ class OptimizerSteps:
                 self._hooks_write = (hooks, is_overridden("configure_gradient_clipping", module, LightningModule))
         return self._hooks_write
 
-    def _step(self, optimizer: Optimizer, state: _OptimizerState, model: LightningModule, **kwargs: Any) -> Any:
+    def _step(self, optimizer: Optimizer, state: _OptimizerState, **kwargs: Any) -> tuple[Any, Outcome]:
         scaler = self._scaler
         records = state.records
+        spike = None
         if scaler is None:
             with self._standing_in(state):
                 out = optimizer.step(**kwargs)
@@ -510,46 +557,25 @@ class OptimizerSteps:
                     if saturated is not None:
                         scaler.verdicts.add_(optimizer, saturated)  # (one rank's: reduced where the verdict was)
                 spike = self._spike_verdict(optimizer, state) if self.spike is not None else None
-                scaler.last_skipped_host = None  # a fresh outcome
-                out = scaler.step(optimizer, **kwargs)
+                out, skipped = scaler.step_outcome(optimizer, **kwargs)
             finally:
                 if records is not None:
                     MasterWeights.swap_out(records)
-            skipped = scaler.last_skipped_host
             verdict = scaler.verdicts.of(optimizer) if skipped is None else None  # (the host knows: no device flag)
-        if records is not None:
-            assert self.masters is not None  # records: gathered by the masters
-            self.masters.write_back(records, skipped=skipped, found_inf=verdict)
-            state.records = None
-        if skipped is not False:
-            self.buffers.restore(optimizer, skipped, verdict)
         state.stage = Stage.STEPPED
-        if scaler is not None:
-            if spike is not None:  # the loss scale moves on the inf/NaN verdict alone: a spike is no overflow
-                assert self.spike is not None  # spike: from the guard
-                loss, norm = spike[3], spike[2]
-                if loss is not None or norm is not None:
-                    # (the host has no answer only where the scaler stepped on a device verdict)
-                    outcome = skipped if skipped is not None else cast(Tensor, verdict)
-                    self.spike.observe(loss, norm, spike[0], outcome, index=state.index)
-                self._batch_verdicts.append(spike[1])
-            else:  # the host's answer where it has one: a batch of host-known outcomes is counted without a kernel
-                self._batch_verdicts.append(skipped if skipped is not None else _as_flag(verdict, scaler))
-            scaler.verdicts.forget(optimizer)
-        state.stats.record(skipped, verdict)
-        if self.release_grads and model.automatic_optimization:
-            _release_grads(optimizer)
-        state.norm = None
-        if model.automatic_optimization:
-            self._update_scale()  # one optimizer per batch: the batch is over
-            self.buffers.drop()
-            state.stage = Stage.READY
-        if self._loss is not None:  # the next step judges the losses of the backward calls after this one
-            self._last_loss, self._loss = self._loss, None
-        if model.automatic_optimization:
-            self._last_loss = None
-        self._check_divergence(model, state)
-        return out
+        if scaler is None:
+            return out, Outcome(skipped, None, None, records)
+        if spike is None:  # the host's answer where it has one: a batch of host-known outcomes costs no kernel
+            known = skipped if skipped is not None else _as_flag(verdict, scaler)
+            return out, Outcome(skipped, verdict, known, records)
+        assert self.spike is not None  # spike: from the guard
+        loss, norm = spike[3], spike[2]
+        if loss is not None or norm is not None:
+            # (the host has no answer only where the scaler stepped on a device verdict)
+            self.spike.observe(loss, norm, spike[0], skipped if skipped is not None else cast(Tensor, verdict),
+                               index=state.index)
+        # the loss scale moves on the inf/NaN verdict alone: a spike is no overflow
+        return out, Outcome(skipped, verdict, spike[1], records)
 
     def _spike_verdict(
         self, optimizer: Optimizer, state: _OptimizerState
@@ -589,11 +615,11 @@ class OptimizerSteps:
     def _run_with_closure(
         self,
         optimizer: Optimizer,
-        model: LightningModule,
+        state: _OptimizerState,
         closure: Callable[[], Any],
         hooks_and_clipping: Callable[[], None],
-        **kwargs: Any,
-    ) -> Any:
+        kwargs: dict[str, Any],
+    ) -> tuple[Any, Outcome]:
         """An optimizer that evaluates the closure itself (LBFGS, SAM): check every evaluation, undo if any failed.
 
         The step runs as the optimizer wants it; every gradient it computes is checked after the hooks ran, and if
@@ -609,7 +635,6 @@ class OptimizerSteps:
                 " with a loss scale (fp16 and fp16-true), as torch's GradScaler cannot. Use precision 'fp32', 'tf32',"
                 " 'bf16' or 'bf16-true' with closure-taking optimizers."
             )
-        state = self._state(optimizer)
         # (every half parameter stands in, also one without a gradient yet: the optimizer makes them in its step)
         records = self.masters.gather(optimizer, every=True) if self.masters is not None else None
         standin = {id(r.param): r.standin for r in records.records} if records is not None else {}
@@ -653,20 +678,7 @@ class OptimizerSteps:
                 full["state"] = saved_state
                 with self._standing_in_records(records):
                     owner.load_state_dict(full)
-            self.buffers.restore(optimizer, True, None)
-        if records is not None:
-            assert self.masters is not None  # records: gathered by the masters
-            self.masters.write_back(records, skipped=skipped)
-        state.stats.record(skipped, None)
-        if scaler is not None:
-            self._batch_verdicts.append(skipped)
-        if model.automatic_optimization:
-            self._update_scale()
-            self.buffers.drop()
-        else:
-            state.stage = Stage.STEPPED
-        self._check_divergence(model, state)
-        return out
+        return out, Outcome(skipped, None, skipped if scaler is not None else None, records)
 
     def _standing_in_records(self, records: Optional[StepRecords]) -> Any:
         # (records: gathered by the masters)
@@ -724,10 +736,13 @@ class OptimizerSteps:
 def evaluates_closure(optimizer: Optimizer) -> bool:
     """Whether ``optimizer`` evaluates the closure inside ``step`` itself, so it must be handed the closure as Lightning
     hands it over: ``LBFGS``, an optimizer whose ``step`` requires a ``closure`` argument (SAM and its kin:
-    ``def step(self, closure)``), and the sharpness-aware family that wraps a ``base_optimizer``. torch's other
+    ``def step(self, closure)``), and the sharpness-aware family that wraps a ``base_optimizer`` with its
+    ``first_step``/``second_step``. torch's other
     optimizers evaluate the closure once, first, which is the same as evaluating it before the step."""
-    if isinstance(optimizer, LBFGS) or hasattr(optimizer, "base_optimizer"):
+    if isinstance(optimizer, LBFGS):
         return True
+    if hasattr(optimizer, "base_optimizer") and (hasattr(optimizer, "first_step") or hasattr(optimizer, "second_step")):
+        return True  # (a Lookahead that keeps its base under that name steps it once: an ordinary optimizer)
     try:
         parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
     except (TypeError, ValueError):

@@ -294,6 +294,11 @@ def real_gradients(optimizer: torch.optim.Optimizer) -> "torch.optim.Optimizer |
 
 
 # ---------------------------------------------------------------------- where a step keeps its verdict
+#: the key, in a loss scaler's or the guard's per-optimizer state, of a step's outcome where the host knows it (the
+#: step paid torch's one sync): read back by their ``step_outcome``, forgotten with the state
+SKIPPED = "skipped_host"
+
+
 class Verdicts:
     """The inf/NaN verdicts of the optimizer steps a loss scaler (:class:`~lightning_mp.scaling.DynamicLossScaler`) or
     the step guard of the modes without one (:class:`~lightning_mp.nonfinite.NonfiniteGuard`) takes.
@@ -317,6 +322,11 @@ class Verdicts:
     def forget(self, optimizer: torch.optim.Optimizer) -> None:
         """This optimizer's step is over (or abandoned); the scale moves once per batch, from the step's verdicts."""
         self.scaler._per_optimizer_states.pop(id(optimizer), None)
+
+    def found(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """This step's verdict for ``optimizer``, a flag per device (empty: none set)."""
+        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        return {} if state is None else state["found_inf_per_device"]
 
     def of(self, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
         """This step's verdict for ``optimizer`` as one device flag (``None``: none set; valid until the update)."""

@@ -27,10 +27,9 @@ def _steps(guard: NonfiniteGuard, pattern: str, opt_ctor=lambda ps: torch.optim.
         loss.backward()
         if ch == "o":
             p.grad[1] = math.inf
-        guard.last_skipped_host = None
-        guard.step(opt)
-        known.append(guard.last_skipped_host)
-        guard.update_from([guard.last_skipped_host])
+        _, skipped = guard.step_outcome(opt)
+        known.append(skipped)
+        guard.update_from([skipped])
     return p, opt, known
 
 

@@ -180,8 +180,18 @@ class DuckLookahead:
         self.count = state_dict["count"]
 
 
+class OldTimmLookahead(TimmLookahead):
+    """Lookahead as older timm versions and their forks write it: the base optimizer kept as ``base_optimizer`` (the
+    attribute SAM-style optimizers also have), stepped once per step as any optimizer steps."""
+
+    def __init__(self, base_optimizer: Optimizer, alpha: float = 0.5, k: int = 2) -> None:
+        super().__init__(base_optimizer, alpha, k)
+        self.base_optimizer = base_optimizer
+
+
 WRAPPERS: dict[str, Callable[[Optimizer], Any]] = {
     "timm": TimmLookahead,
+    "timm-old": OldTimmLookahead,
     "super-init": InitLookahead,
     "duck": DuckLookahead,
 }
