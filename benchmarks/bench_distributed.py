@@ -35,7 +35,7 @@ from typing import Any, Optional
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_overhead import GPT, Block, fmt, init_gpt_weights, quiet_lightning  # noqa: E402  the core benchmark's model
+from common import GPT, Block, fmt, init_gpt_weights, quiet_lightning  # noqa: E402  the shared model
 
 RUNS = [
     # name, strategy, devices, precision ("mp:<mode>" or "lightning:<precision>"), MPPlugin arguments

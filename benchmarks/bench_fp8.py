@@ -1,7 +1,7 @@
 """FP8 through Transformer Engine: MPPlugin("fp8") against MPPlugin("bf16") and Lightning's TransformerEnginePrecision.
 
-Trains the GPT-style decoder of ``bench_overhead.py`` (its builders are imported, not copied: same model, same
-initial weights, fused AdamW, random tokens) at two sizes, once per mode, all in one process:
+Trains the GPT-style decoder of ``bench_overhead.py`` (``common.py``'s builders: same model, same initial weights,
+fused AdamW, random tokens) at two sizes, once per mode, all in one process:
 
 ====================  =====================================================================================
 mp-bf16               ``MPPlugin("bf16")``: the reference for the fp32-master-weights target
@@ -30,11 +30,34 @@ Run on the GPU machine from the repository root (12 runs; estimated 4-5 minutes 
     PYTHONPATH=. python benchmarks/bench_fp8.py --sizes 1024:2:8:16 --seq 512 --vocab 4096 \\
         --warmup 2 --steps 3      # smoke test
 
+Where the time goes (``--profile N``): N more steps a mode under ``torch.profiler`` (CUDA activity only), whose
+kernels are summed per family, modes side by side (about 4 minutes for four modes at 4096 x 8 on an H100)::
+
+    source .te/te_install.sh && PYTHONPATH=. python benchmarks/bench_fp8.py --sizes 4096:8:8:32 --steps 8 \\
+        --profile 3 --modes lightning-te,mp-fp8-bf16w-all,mp-fp8-all,mp-fp8 --json fp8_profile.json
+
+==============  ==========================================================================================
+gemm            cuBLAS(Lt)/CUTLASS matrix multiplies (FP8 and bf16 alike)
+attention       flash / fused attention
+optimizer       the optimizer's multi-tensor kernels (torch's fused AdamW, Transformer Engine's FusedAdam)
+fp8 cast        Transformer Engine's quantize / cast-transpose / amax kernels
+layer norm      LayerNorm forward and backward (torch's or Transformer Engine's)
+copy / convert  torch's copies and dtype conversions (``.to``, ``copy_``)
+elementwise     the other torch elementwise kernels (GELU, adds, masks, scaling)
+loss / softmax  softmax, log-softmax, cross-entropy, reductions
+memset          fills and memsets
+other           the rest
+==============  ==========================================================================================
+
+The step's GPU time is the sum of the families (kernels on one stream; the union of intervals is printed too). Each
+size's table ends with each mode's difference to the first mode named, family by family, so a gap in the step time
+is split into its kernel families; the kernels that differ most are listed under it.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import gc
@@ -49,9 +72,10 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_overhead import (  # noqa: E402
+from common import (  # noqa: E402
     StepProbe,
     build_model,
     count_params,
@@ -157,7 +181,7 @@ def run_mode(
     args: argparse.Namespace, mode: str, batches: list[torch.Tensor], probe: Optional[StepProbe] = None
 ) -> dict[str, Any]:
     """One mode's fit; ``probe`` (default: ``--warmup`` then ``--steps`` timed) may run more steps than it times
-    (``profile_fp8.py`` profiles steps after the timed ones)."""
+    (``--profile`` profiles steps after the timed ones)."""
     from lightning.pytorch import Trainer
 
     from lightning_mp import MPPlugin
@@ -230,6 +254,124 @@ def cleanup() -> None:
         FP8GlobalStateManager.reset()
 
 
+# --------------------------------------------------------------------------------------------- profiling
+#: (family, name fragments), first match wins; names are lower-cased
+FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm100_", "splitk")),
+    ("fp8 cast", ("amax", "scale_update", "compute_scale")),  # delayed scaling's updates, before "multi_tensor"
+    ("optimizer", ("multi_tensor", "adam", "fused_sgd")),
+    ("fp8 cast", ("cast_transpose", "quantize", "fp8", "cast_kernel", "transpose_kernel")),
+    ("layer norm", ("layer_norm", "layernorm", "ln_fwd", "ln_bwd", "rmsnorm", "norm_")),
+    ("loss / softmax", ("softmax", "cross_entropy", "nll_loss", "reduce_kernel", "logsumexp")),
+    ("copy / convert", ("copy", "to_copy", "direct_copy", "cat_")),
+    ("memset", ("fill", "memset", "zero")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+FAMILY_ORDER = list(dict.fromkeys(f for f, _ in FAMILIES)) + ["other"]
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, parts in FAMILIES:
+        if any(p in low for p in parts):
+            return fam
+    return "other"
+
+
+class ProfiledProbe(StepProbe):
+    """``StepProbe`` timing ``warmup`` .. ``warmup + steps``, then ``prof`` more steps under ``torch.profiler``."""
+
+    def __init__(self, warmup: int, steps: int, prof: int) -> None:
+        super().__init__(warmup, steps, 0)
+        self.prof = prof
+        self.profiler: Optional[profile] = None
+        self.kernels: list[tuple[str, float, int, int]] = []
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.steps + self.prof
+
+    def start(self) -> None:
+        if len(self.starts) == self.warmup + self.steps:
+            torch.cuda.synchronize()
+            self.profiler = profile(activities=[ProfilerActivity.CUDA])
+            self.profiler.__enter__()
+        super().start()
+
+    def end(self) -> None:
+        super().end()
+        if len(self.ends) == self.total and self.profiler is not None:
+            torch.cuda.synchronize()
+            self.profiler.__exit__(None, None, None)
+            self.kernels = [
+                (e.name, e.time_range.elapsed_us(), e.time_range.start, e.time_range.end)
+                for e in self.profiler.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA
+            ]
+            self.profiler = None
+
+
+def busy_us(kernels: list[tuple[str, float, int, int]]) -> float:
+    """The GPU's busy time: the union of the kernels' intervals (overlapping kernels counted once)."""
+    total, end = 0.0, None
+    for _, _, a, b in sorted(kernels, key=lambda k: k[2]):
+        if end is None or a > end:
+            total, end = total + b - a, b
+        elif b > end:
+            total, end = total + b - end, b
+    return total
+
+
+def kernel_figures(probe: ProfiledProbe) -> dict[str, Any]:
+    """GPU ms a step by kernel family (and kernels a step), their union, and the 40 costliest kernels."""
+    n = probe.prof
+    by_family: collections.Counter = collections.Counter()
+    by_kernel: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for name, us, _, _ in probe.kernels:
+        by_family[family(name)] += us / n / 1e3
+        by_kernel[name] += us / n / 1e3
+        count[family(name)] += 1 / n
+    return {
+        "gpu_ms": sum(by_family.values()),
+        "busy_ms": busy_us(probe.kernels) / n / 1e3,
+        "families": {f: round(by_family.get(f, 0.0), 3) for f in FAMILY_ORDER},
+        "kernels_per_step": {f: round(count.get(f, 0.0), 1) for f in FAMILY_ORDER},
+        "top_kernels": [(k, round(v, 3)) for k, v in by_kernel.most_common(40)],
+    }
+
+
+def family_table(rows: list[dict[str, Any]]) -> str:
+    """Modes side by side, family by family; then each mode's difference to the first, and the kernels that differ
+    most."""
+    ok = [r for r in rows if "families" in r]
+    if not ok:
+        return "no mode ran"
+    head = "| family (GPU ms a step) | " + " | ".join(r["mode"] for r in ok) + " |"
+    lines = [head, "|---|" + "---|" * len(ok)]
+    for f in FAMILY_ORDER:
+        cells = [f"{r['families'][f]:.1f} ({r['kernels_per_step'][f]:.0f})" for r in ok]
+        lines.append(f"| {f} (kernels) | " + " | ".join(cells) + " |")
+    lines.append("| **sum of kernels** | " + " | ".join(f"{r['gpu_ms']:.1f}" for r in ok) + " |")
+    lines.append("| GPU busy (union) | " + " | ".join(f"{r['busy_ms']:.1f}" for r in ok) + " |")
+    lines.append("| step (CUDA events, median) | " + " | ".join(f"{r['step_ms']:.1f}" for r in ok) + " |")
+    lines.append("| peak GiB | " + " | ".join(f"{r['peak_gib']:.1f}" for r in ok) + " |")
+    base = ok[0]
+    for r in ok[1:]:
+        diff = {f: r["families"][f] - base["families"][f] for f in FAMILY_ORDER}
+        parts = ", ".join(f"{f} {d:+.1f}" for f, d in sorted(diff.items(), key=lambda kv: -abs(kv[1])) if abs(d) >= 0.3)
+        lines.append(
+            f"\n{r['mode']} - {base['mode']}: step {r['step_ms'] - base['step_ms']:+.1f} ms, kernels"
+            f" {r['gpu_ms'] - base['gpu_ms']:+.1f} ms: {parts}"
+        )
+        bk, rk = dict(base["top_kernels"]), dict(r["top_kernels"])
+        delta = sorted(((rk.get(k, 0.0) - bk.get(k, 0.0), k) for k in set(bk) | set(rk)), key=lambda t: -abs(t[0]))
+        for d, k in delta[:6]:
+            lines.append(f"    {d:+7.2f} ms  [{family(k)}] {k[:100]}")
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------- report
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
@@ -286,6 +428,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--peak-tflops", type=float, default=782.0, help="MFU denominator (default 782: H200 bf16 matmul ceiling)"
     )
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="profile N steps after the timed ones (torch.profiler, CUDA kernels) and print GPU time a step"
+                        " by kernel family, each mode beside the first named (default 0: off)")
     p.add_argument("--json", default=None, help="also write the results as JSON to this path")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -293,8 +438,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if unknown or not modes:
         p.error(f"--modes: unknown {unknown or 'empty list'}; choose from {', '.join(ALL_MODES + EXTRA_MODES)}")
     args.modes = modes
-    if args.warmup < 1 or args.steps < 1:
-        p.error("--warmup and --steps must be >= 1")
+    if args.warmup < 1 or args.steps < 1 or args.profile < 0:
+        p.error("--warmup and --steps must be >= 1, --profile >= 0")
     return args
 
 
@@ -342,7 +487,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f" {size_args.heads} heads, vocab {args.vocab}), {size_args.batch} x {args.seq} tokens/step",
             flush=True,
         )
-        batches = make_batches(size_args, args.warmup + args.steps)
+        batches = make_batches(size_args, args.warmup + args.steps + args.profile)
         for mode in args.modes:
             cleanup()
             torch.cuda.reset_peak_memory_stats()
@@ -351,7 +496,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 "size": label, "mode": mode, "n_params": n_params, "tokens_per_step": tokens_per_step
             }
             try:
-                row.update(run_mode(size_args, mode, batches))
+                probe = ProfiledProbe(args.warmup, args.steps, args.profile) if args.profile else None
+                row.update(run_mode(size_args, mode, batches, probe=probe))
+                if probe is not None:
+                    row.update(kernel_figures(probe))
+                    row.pop("step_ms_all", None)
             except torch.cuda.OutOfMemoryError as err:
                 row["error"], row["error_detail"] = "OOM", str(err).splitlines()[0][:300]
             except Exception as err:  # report and go on with the other modes
@@ -411,6 +560,10 @@ def main(argv: Optional[list[str]] = None) -> int:
           f" | {meta['fp8_plugin']} | median of {args.steps} steps after {args.warmup} warm-up")
     print()
     print(markdown_table(rows))
+    if args.profile:
+        for size in dict.fromkeys(r["size"] for r in rows):
+            print(f"\n{size}: GPU time a step by kernel family (mean of {args.profile} profiled steps)\n")
+            print(family_table([r for r in rows if r["size"] == size]))
     print()
     for v in verdicts:
         print(f"target {v['size']} {v['mode']} >= {v['target']:.1f}x {v['reference']}: {v['ratio']:.2f}x"

@@ -3,10 +3,12 @@
 ``MPPlugin("bf16-true")`` (fp32 masters) pays, per optimizer step, for the gradients' carry into fp32, the inf/NaN
 check, an fp32 AdamW step and the refresh of the bf16 weights, where Lightning's ``bf16-true`` pays only a bf16
 AdamW step (and keeps no masters). This script times each on the parameter shapes of bench_overhead.py's GPT
-(1.89 B parameters at hidden 4096 × 8 layers), side by side in one process:
+(``common.GPT``; 1.89 B parameters at hidden 4096 × 8 layers), side by side in one process:
 
 * ``torch-adamw-bf16``: fused ``torch.optim.AdamW`` on bf16 parameters, bf16 state (Lightning's ``bf16-true``);
-* ``torch-adamw-fp32``: fused AdamW on fp32 parameters and gradients (the step of bf16 autocast);
+* ``torch-adamw-fp32``: fused AdamW on fp32 parameters and gradients (the step of bf16 autocast), and the inf/NaN
+  check beside it: GradScaler's ``_amp_foreach_non_finite_check_and_unscale_`` at scale 1 (reads and writes every
+  gradient) against the step guard's read-only check (``lightning_mp.verdict.check_grads_``);
 * ``mp-masters``: ``FP32MasterWeights`` as the plugin runs it: the masters following weights written since the last
   step, carry, check, fused AdamW on the masters, refresh (also each part alone; following also with eager kernels);
 * ``te-fusedadam-masters`` / ``te-fusedadam-remainders``: Transformer Engine's ``FusedAdam(master_weights=True)``
@@ -33,10 +35,11 @@ from torch import nn
 
 from lightning_mp import master as _master
 from lightning_mp.master import FP32MasterWeights
+from lightning_mp.verdict import check_grads_
 
 
 def gpt_shapes(hidden: int, layers: int, vocab: int, seq: int) -> list[tuple[tuple[int, ...], bool]]:
-    """(shape, is a LayerNorm parameter) of bench_overhead.py's GPT, in registration order."""
+    """(shape, is a LayerNorm parameter) of common.GPT, in registration order."""
     shapes: list[tuple[tuple[int, ...], bool]] = [((vocab, hidden), False), ((seq, hidden), False)]
     for _ in range(layers):
         shapes += [((hidden,), True), ((hidden,), True)]
@@ -98,6 +101,27 @@ def state_bytes(opt: Any) -> int:
             if isinstance(v, torch.Tensor) and v.numel() > 1:
                 total += v.numel() * v.element_size()
     return total
+
+
+def check_section(shapes, device: torch.device, fused: bool, timer: Timer, args: argparse.Namespace, row) -> None:
+    """The inf/NaN check of bf16 autocast's step on its fp32 gradients: GradScaler's kernel at scale 1 (reads and
+    writes every gradient) against the step guard's read-only check (``check_grads_``)."""
+    params, grads = make_params(shapes, torch.float32, device)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
+    set_grads(params, grads)
+    one, found = torch.ones((), device=device), torch.zeros((), device=device)
+    t_unscale = timer(lambda: torch._amp_foreach_non_finite_check_and_unscale_(grads, found, one), args.warmup,
+                      args.steps)
+    t_guard = timer(lambda: check_grads_(opt, found), args.warmup, args.steps)
+    found.zero_()
+    grads[5].view(-1)[-1] = float("nan")
+    check_grads_(opt, found)
+    if not found.item():  # a check that misses a NaN times nothing worth comparing
+        raise AssertionError("check_grads_ missed a NaN in the gradients")
+    gbytes = sum(g.numel() * g.element_size() for g in grads) / 1e9
+    rate = lambda ms: f"{gbytes / ms * 1e3:,.0f} GB/s of gradients"  # noqa: E731
+    row("  check: amp unscale, scale 1", t_unscale, 0, f"GradScaler's kernel; {rate(t_unscale)}")
+    row("  check: step guard", t_guard, 0, f"read-only; {rate(t_guard)}")
 
 
 def masters_section(shapes, device: torch.device, fused: bool, timer: Timer, args: argparse.Namespace, row) -> None:
@@ -184,6 +208,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     cleanup()
     # bf16 autocast: fp32 parameters and gradients
     step_row("torch-adamw-fp32", torch.float32, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=fused), "bf16 autocast")
+    cleanup()
+    # what the check of bf16 autocast's step costs beside it (MPPlugin("bf16") checks every step)
+    check_section(shapes, device, fused, timer, args, row)
     cleanup()
 
     # MPPlugin's fp32 masters, whole and in parts (in a function: its tensors go when it returns)

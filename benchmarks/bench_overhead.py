@@ -32,6 +32,11 @@ mp-bf16-true-noguards    ``MPPlugin("bf16-true", fp32_modules=[])``: fp32 master
 ...-teadam               either of the two above with Transformer Engine's ``FusedAdam(master_weights=True)``
                          instead of torch's fused AdamW: the optimizer keeps the fp32 masters (one kernel reads
                          bf16 gradients, writes fp32 masters and bf16 weights); needs Transformer Engine
+mp-bf16+log              ``MPPlugin("bf16")`` logging to a ``CSVLogger``, no callback: the callbacks' reference
+mp-bf16+monitor          the same with ``PrecisionMonitor()`` (logs every ``log_every_n_steps``, 50)
+mp-bf16+detector         the same with ``NonFiniteDetector()`` (its flags read every 50 batches)
+mp-bf16+monitor-layers   ``PrecisionMonitor(layer_stats=True)`` (not in the monitor's defaults)
+mp-bf16+detector-inputs  ``NonFiniteDetector(track_inputs=True)`` (not in the detector's defaults)
 =======================  ====================================================================
 
 The true-half modes are not in the default ``--modes`` list; name them, e.g.
@@ -40,8 +45,15 @@ ran, a second table compares them with the bf16 autocast loop (speed), Lightning
 and Lightning's bf16-true, and gives ``resident GiB``: what stays allocated after training (weights, masters or
 compensation, optimizer state), divided by the parameter count as bytes/param.
 
+The callback modes (``--modes mp-bf16+log,mp-bf16+monitor,mp-bf16+detector --steps 50 --rounds 2``: with 50
+timed steps each run holds one logging step of the monitor and one read of the detector's flags) add a table of
+their cycle times against ``mp-bf16+log``; targets: the monitor at most 1.02x, the detector at most 1.03x (medians;
+the mean cycle includes the logging step and the flag read).
+
 Per mode: ``--warmup`` steps, then ``--steps`` timed steps, then ``--sync-steps`` steps under
-``torch.cuda.set_sync_debug_mode("warn")`` that count host-device syncs.
+``torch.cuda.set_sync_debug_mode("warn")`` that count host-device syncs. ``--rounds N`` runs the list N times,
+interleaved (slow drift of the GPU's clock or temperature spreads over every mode), and reports the medians of the
+rounds.
 
 Timing: CUDA events recorded in ``on_train_batch_start`` / ``on_train_batch_end`` (for the plain loop: at the top
 of the iteration, before the batch's host-to-device copy, and after ``zero_grad``). ``step ms`` is the median
@@ -69,19 +81,31 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
-import logging
+import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
-import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    StepProbe,
+    build_model,
+    cleanup,
+    count_params,
+    fmt,
+    lit_gpt,
+    make_batches,
+    make_optimizer,
+    quiet_lightning,
+    te_fused_adam,
+    weights_fingerprint,
+)
 
 ALL_MODES = (
     "plain-bf16",
@@ -110,7 +134,18 @@ TRUE_HALF_MODES = (
     "mp-bf16-true-teadam",
     "mp-bf16-true-noguards-teadam",
 )
-KNOWN_MODES = ALL_MODES + TRUE_HALF_MODES
+#: what the monitoring callbacks cost (runnable with --modes): each logs to a CSVLogger, as does its reference
+#: ``mp-bf16+log`` (no callback); the probe's callback runs after theirs, so the cycle holds their work
+CALLBACK_MODES = (
+    "mp-bf16+log",
+    "mp-bf16+monitor",
+    "mp-bf16+detector",
+    "mp-bf16+monitor-layers",
+    "mp-bf16+detector-inputs",
+)
+#: largest cycle-time ratio to ``mp-bf16+log`` (medians)
+CALLBACK_TARGETS = {"mp-bf16+monitor": 1.02, "mp-bf16+detector": 1.03}
+KNOWN_MODES = ALL_MODES + TRUE_HALF_MODES + CALLBACK_MODES
 NATIVE = {
     "plain-bf16": "lightning-bf16-mixed",
     "lightning-bf16-mixed": "lightning-bf16-mixed",
@@ -128,199 +163,24 @@ NATIVE = {
     "mp-bf16+clip": "plain-bf16+clip",
     # true-half: the target compares speed with bf16 autocast and memory with Lightning's bf16-mixed
     **{mode: "lightning-bf16-mixed" for mode in TRUE_HALF_MODES},
+    **{mode: "mp-bf16+log" for mode in CALLBACK_MODES},
 }
 CLIP = 1.0
-SYNC_MESSAGE = "synchronizing CUDA operation"
-
-
-# --------------------------------------------------------------------------------------------- model
-class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
-
-    def __init__(self, hidden: int, heads: int) -> None:
-        super().__init__()
-        if hidden % heads:
-            raise ValueError(f"hidden={hidden} is not divisible by heads={heads}.")
-        self.heads = heads
-        self.ln1 = nn.LayerNorm(hidden)
-        self.qkv = nn.Linear(hidden, 3 * hidden)
-        self.proj = nn.Linear(hidden, hidden)
-        self.ln2 = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    """Token + learned position embeddings, ``layers`` blocks, final LayerNorm, untied LM head."""
-
-    def __init__(self, vocab: int, hidden: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, hidden)
-        self.pos = nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Next-token cross-entropy of ``tokens`` (batch, seq + 1)."""
-        x, y = tokens[:, :-1], tokens[:, 1:]
-        h = self.tok(x) + self.pos.weight[: x.shape[1]]
-        for block in self.blocks:
-            h = block(h)
-        logits = self.head(self.ln_f(h))
-        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
-
-
-def build_model(args: argparse.Namespace) -> GPT:
-    """The same initial weights every call: same seed, same ops, built directly on the GPU."""
-    torch.manual_seed(args.seed)
-    torch.cuda.manual_seed(args.seed)
-    with torch.device("cuda"):
-        model = init_gpt_weights(GPT(args.vocab, args.hidden, args.layers, args.heads, args.seq))
-    return model
-
-
-def init_gpt_weights(model: nn.Module) -> nn.Module:
-    """GPT-style initialisation in place: N(0, 0.02) for Linear and Embedding weights, zero biases."""
-    for module in model.modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-            if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-    return model
-
-
-def make_optimizer(params, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(params, lr=lr, fused=True)
-
-
-def te_fused_adam(params, lr: float) -> torch.optim.Optimizer:
-    """Transformer Engine's FusedAdam keeping the fp32 masters itself (MPPlugin: ``master_weights="optimizer"``)."""
-    from transformer_engine.pytorch.optimizers import FusedAdam
-
-    return FusedAdam(params, lr=lr, master_weights=True)
-
-
-def lit_gpt(model: nn.Module, batches: list, configure_optimizers: Callable[[Any], Any]) -> Any:
-    """``model`` (returning its loss) as a LightningModule: ``batches`` in order, ``configure_optimizers(params)``,
-    and the last loss kept on the device in ``.last_loss`` (read after training: no sync per step)."""
-    from lightning.pytorch import LightningModule
-
-    class LitGPT(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-            self.last_loss: Optional[torch.Tensor] = None
-
-        def training_step(self, batch, batch_idx):
-            loss = self.model(batch)
-            self.last_loss = loss.detach()
-            return loss
-
-        def configure_optimizers(self):
-            return configure_optimizers(self.parameters())
-
-        def train_dataloader(self):
-            return torch.utils.data.DataLoader(batches, batch_size=None, shuffle=False)
-
-    return LitGPT()
-
-
-def weights_fingerprint(model: nn.Module) -> float:
-    """A cheap checksum showing every mode starts from the same weights (one host sync, before training)."""
-    with torch.no_grad():
-        return float(sum(p.sum(dtype=torch.float64) * (i + 1) for i, p in enumerate(model.parameters())).item())
 
 
 # --------------------------------------------------------------------------------------------- measuring
-class StepProbe:
-    """CUDA events per step, and a sync-counting window over the last ``sync_steps`` whole step cycles.
+def make_callbacks(name: Optional[str]) -> list:
+    """The monitoring callbacks of a ``+<name>`` mode (``log``: none, only the logger)."""
+    from lightning_mp.callbacks import NonFiniteDetector, PrecisionMonitor
 
-    The window opens at the end of the last timed step and closes at the end of the last step, so it holds
-    ``sync_steps`` complete cycles (batch fetch and copy, forward, backward, optimizer step, hooks).
-    """
-
-    def callback(self) -> Any:
-        """A Lightning callback that brackets every training batch with :meth:`start` and :meth:`end`."""
-        from lightning.pytorch import Callback
-
-        probe = self
-
-        class Probe(Callback):
-            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-                probe.start()
-
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                probe.end()
-
-        return Probe()
-
-    def __init__(self, warmup: int, steps: int, sync_steps: int) -> None:
-        self.warmup, self.steps, self.sync_steps = warmup, steps, sync_steps
-        self.starts: list[torch.cuda.Event] = []
-        self.ends: list[torch.cuda.Event] = []
-        self.syncs: Optional[int] = None
-        self._catcher: Optional[warnings.catch_warnings] = None
-        self._log: list = []
-
-    @property
-    def total(self) -> int:
-        return self.warmup + self.steps + self.sync_steps
-
-    def start(self) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.starts.append(event)
-
-    def end(self) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.ends.append(event)
-        done = len(self.ends)
-        if done == self.warmup + self.steps and self.sync_steps > 0:
-            self.open_sync_window()
-        elif done == self.total:
-            self.close_sync_window()
-
-    def open_sync_window(self) -> None:
-        self._catcher = warnings.catch_warnings(record=True)
-        self._log = self._catcher.__enter__()
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-
-    def close_sync_window(self) -> None:
-        torch.cuda.set_sync_debug_mode(0)
-        if self._catcher is not None:
-            self._catcher.__exit__(None, None, None)
-            self._catcher = None
-            self.syncs = sum(SYNC_MESSAGE in str(w.message) for w in self._log)
-            self._log = []
-
-    def results(self) -> dict[str, Any]:
-        torch.cuda.synchronize()
-        if len(self.ends) < self.warmup + self.steps:
-            raise RuntimeError(f"only {len(self.ends)} steps ran, {self.warmup + self.steps} needed")
-        timed = range(self.warmup, self.warmup + self.steps)
-        step_ms = [self.starts[i].elapsed_time(self.ends[i]) for i in timed]
-        cycle_ms = [self.ends[i - 1].elapsed_time(self.ends[i]) for i in timed if i > 0]
-        return {
-            "step_ms": statistics.median(step_ms),
-            "cycle_ms": statistics.median(cycle_ms) if cycle_ms else None,
-            "step_ms_all": [round(t, 3) for t in step_ms],
-            "syncs_per_step": None if self.syncs is None else self.syncs / self.sync_steps,
-        }
-
-
-def make_batches(args: argparse.Namespace, n: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(args.seed + 1)
-    return [torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=g) for _ in range(n)]
+    return {
+        None: lambda: [],
+        "log": lambda: [],
+        "monitor": lambda: [PrecisionMonitor()],
+        "detector": lambda: [NonFiniteDetector()],
+        "monitor-layers": lambda: [PrecisionMonitor(layer_stats=True)],
+        "detector-inputs": lambda: [NonFiniteDetector(track_inputs=True)],
+    }[name]()
 
 
 def run_plain(
@@ -365,6 +225,8 @@ def run_lightning(
 
     te_adam = mode.endswith("-teadam")
     mode = mode.removesuffix("-teadam")
+    watch = mode.partition("+")[2] if mode in CALLBACK_MODES else None
+    mode = mode.partition("+")[0] if watch else mode
     with_scheduler = mode.endswith("+sched")
     with_clip = mode.endswith("+clip")
     mode = mode.removesuffix("+sched").removesuffix("+clip")
@@ -405,23 +267,31 @@ def run_lightning(
     model = build_model(args)
     fingerprint = weights_fingerprint(model)
     module = lit_gpt(model, batches, configure_optimizers)
+    log_dir = tempfile.TemporaryDirectory(prefix="bench_overhead_") if watch else None
+    if log_dir is not None:  # the monitor's figures are really written, and its reference logs alike
+        from lightning.pytorch.loggers import CSVLogger
+
+        kwargs["logger"] = CSVLogger(log_dir.name, name=watch)
     trainer = Trainer(
         accelerator="gpu",
         devices=1,
-        logger=False,
+        logger=kwargs.pop("logger", False),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         max_steps=probe.total,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[probe.callback()],
+        # the probe last: its end event comes after the other callbacks' on_train_batch_end work
+        callbacks=[*make_callbacks(watch), probe.callback()],
         gradient_clip_val=CLIP if with_clip else None,
         **kwargs,
     )
     try:
         trainer.fit(module)
     finally:
+        if log_dir is not None:
+            log_dir.cleanup()
         probe.close_sync_window()
         if mode == "mp-bf16-checkafter":
             from lightning_mp import overlap
@@ -455,29 +325,33 @@ def run_mode(args: argparse.Namespace, mode: str, batches: list[torch.Tensor]) -
     else:
         extra = run_lightning(args, batches, probe, mode)
     row = probe.results()
+    # the mean cycle holds the rare steps the medians leave out (the monitor's logging step, the detector's read)
+    cycles = [probe.ends[i - 1].elapsed_time(probe.ends[i]) for i in range(max(args.warmup, 1), probe.warmup
+                                                                           + probe.steps)]
+    row["mean_cycle_ms"] = statistics.fmean(cycles) if cycles else None
     row.update(extra)
     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return row
 
 
-def cleanup() -> None:
-    torch.cuda.set_sync_debug_mode(0)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+def combine_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row for a mode run in several rounds: the medians of its rounds' figures (the first round's other
+    fields), the highest peak and sync count, and each round's figures."""
+    ok = [r for r in runs if "error" not in r]
+    if len(runs) == 1 or not ok:
+        return runs[0]
+    row = dict(ok[0])
+    for key in ("step_ms", "cycle_ms", "mean_cycle_ms"):
+        values = [r[key] for r in ok if r.get(key) is not None]
+        row[key] = statistics.median(values) if values else None
+    row["peak_gib"] = max(r["peak_gib"] for r in ok)
+    syncs = [r["syncs_per_step"] for r in ok if r.get("syncs_per_step") is not None]
+    row["syncs_per_step"] = max(syncs) if syncs else None
+    row["rounds"] = [{k: r.get(k) for k in ("step_ms", "cycle_ms", "mean_cycle_ms", "error")} for r in runs]
+    return row
 
 
 # --------------------------------------------------------------------------------------------- report
-def count_params(args: argparse.Namespace) -> int:
-    h, L, v, s = args.hidden, args.layers, args.vocab, args.seq
-    per_block = (3 * h * h + 3 * h) + (h * h + h) + (4 * h * h + 4 * h) + (4 * h * h + h) + 4 * h
-    return v * h + s * h + L * per_block + 2 * h + h * v
-
-
-def fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"
-
-
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| mode | step ms | cycle ms | tokens/s | MFU | peak GiB | syncs/step | vs plain-bf16 | vs reference"
@@ -525,6 +399,34 @@ def true_half_table(rows: list[dict[str, Any]]) -> Optional[str]:
     return "\n".join(lines)
 
 
+def callback_table(rows: list[dict[str, Any]]) -> Optional[str]:
+    """The callback rows against ``mp-bf16+log``: cycle ms (what the targets compare), step ms, mean cycle ms."""
+    base = next((r for r in rows if r["mode"] == "mp-bf16+log" and "error" not in r), None)
+    chosen = [r for r in rows if r["mode"] in CALLBACK_MODES]
+    if not chosen:
+        return None
+    lines = [
+        "| mode | cycle ms | per-round cycle ms | step ms | mean cycle ms | vs +log: cycle | vs +log: step"
+        " | vs +log: mean cycle | target | met |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in chosen:
+        if "error" in r:
+            lines.append(f"| {r['mode']} | {r['error']} | | | | | | | | |")
+            continue
+        ratio = {k: r[k] / base[k] if base and r.get(k) and base.get(k) else None
+                 for k in ("cycle_ms", "step_ms", "mean_cycle_ms")}
+        target = CALLBACK_TARGETS.get(r["mode"])
+        met = "—" if target is None or ratio["cycle_ms"] is None else ("yes" if ratio["cycle_ms"] <= target else "no")
+        per_round = ", ".join(fmt(x.get("cycle_ms"), ".1f") for x in r.get("rounds", [r]))
+        lines.append(
+            f"| {r['mode']} | {fmt(r['cycle_ms'], '.1f')} | {per_round} | {r['step_ms']:.1f}"
+            f" | {fmt(r['mean_cycle_ms'], '.1f')} | {fmt(ratio['cycle_ms'], '.3f')} | {fmt(ratio['step_ms'], '.3f')}"
+            f" | {fmt(ratio['mean_cycle_ms'], '.3f')} | {fmt(target, '.2f')} | {met} |"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -542,6 +444,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         default=3,
         help="steps counted for host syncs after the timed ones (default 3; 0 skips)",
     )
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the modes this many times, interleaved; a mode's figures are its rounds' medians "
+                        "(default 1)")
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=32)
@@ -560,17 +465,43 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if unknown or not modes:
         p.error(f"--modes: unknown {unknown or 'empty list'}; choose from {', '.join(KNOWN_MODES)}")
     args.modes = modes
-    if args.warmup < 1 or args.steps < 1 or args.sync_steps < 0:
-        p.error("--warmup and --steps must be >= 1, --sync-steps >= 0")
+    if args.warmup < 1 or args.steps < 1 or args.rounds < 1 or args.sync_steps < 0:
+        p.error("--warmup, --steps and --rounds must be >= 1, --sync-steps >= 0")
     return args
 
 
-def quiet_lightning() -> None:
-    """Keep Lightning's info lines and known harmless warnings out of the benchmark output."""
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
-    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+def run_reported(args: argparse.Namespace, mode: str, batches: list[torch.Tensor], tag: str) -> dict[str, Any]:
+    """One run of ``mode``, its line printed; an error (OOM included) is reported in the row, not raised."""
+    cleanup()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    row: dict[str, Any] = {"mode": mode}
+    try:
+        row.update(run_mode(args, mode, batches))
+    except torch.cuda.OutOfMemoryError as err:
+        row["error"] = "OOM"
+        row["error_detail"] = str(err).splitlines()[0][:300]
+    except Exception as err:  # report and go on with the other modes
+        traceback.print_exc()
+        row["error"] = f"{type(err).__name__}"
+        row["error_detail"] = str(err).splitlines()[0][:300] if str(err) else ""
+    row["wall_s"] = round(time.perf_counter() - t0, 1)
+    if "error" in row:
+        row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    summary = (
+        f"error {row['error']}: {row.get('error_detail', '')}"
+        if "error" in row
+        else f"step {row['step_ms']:.1f} ms, cycle {fmt(row['cycle_ms'], '.1f')} ms,"
+        f" peak {row['peak_gib']:.1f} GiB, syncs/step {fmt(row['syncs_per_step'], '.2f')},"
+        f" final loss {row.get('final_loss', float('nan')):.4f}"
+    )
+    print(f"[{tag}] {summary} ({row['wall_s']} s)", flush=True)
+    if "plugin_stats" in row:
+        print(f"[{tag}] plugin stats: {row['plugin_stats']}", flush=True)
+    if "loss_scale" in row:
+        print(f"[{tag}] final loss scale: {row['loss_scale']:g}", flush=True)
+    cleanup()
+    return row
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -601,47 +532,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         f"# {device} | torch {torch.__version__} | lightning {lightning.__version__} | {meta['date']}\n"
         f"# model: {n_params / 1e9:.3f} B params (hidden {args.hidden}, {args.layers} layers, {args.heads} heads,"
         f" vocab {args.vocab}), {args.batch} x {args.seq} tokens/step, fused AdamW lr {args.lr}\n"
-        f"# {args.warmup} warm-up + {args.steps} timed (median) + {args.sync_steps} sync-count steps per mode",
+        f"# {args.warmup} warm-up + {args.steps} timed (median) + {args.sync_steps} sync-count steps per mode"
+        f"{f', {args.rounds} interleaved rounds' if args.rounds > 1 else ''}",
         flush=True,
     )
 
     batches = make_batches(args, args.warmup + args.steps + args.sync_steps)
-    rows: list[dict[str, Any]] = []
+    runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
     t_all = time.perf_counter()
-    for mode in args.modes:
-        cleanup()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        row: dict[str, Any] = {"mode": mode}
-        try:
-            row.update(run_mode(args, mode, batches))
-        except torch.cuda.OutOfMemoryError as err:
-            row["error"] = "OOM"
-            row["error_detail"] = str(err).splitlines()[0][:300]
-        except Exception as err:  # report and go on with the other modes
-            traceback.print_exc()
-            row["error"] = f"{type(err).__name__}"
-            row["error_detail"] = str(err).splitlines()[0][:300] if str(err) else ""
-        row["wall_s"] = round(time.perf_counter() - t0, 1)
+    for round_ in range(args.rounds):
+        for mode in args.modes:
+            tag = mode if args.rounds == 1 else f"{mode} round {round_ + 1}"
+            runs[mode].append(run_reported(args, mode, batches, tag))
+    rows = [combine_rounds(mode_runs) for mode_runs in runs.values()]
+    for row in rows:
         if "error" not in row:
             row["tokens_per_s"] = tokens_per_step / (row["step_ms"] / 1e3)
             row["mfu"] = row["tokens_per_s"] * flops_per_token / (args.peak_tflops * 1e12)
-        else:
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        rows.append(row)
-        summary = (
-            f"error {row['error']}: {row.get('error_detail', '')}"
-            if "error" in row
-            else f"step {row['step_ms']:.1f} ms, cycle {fmt(row['cycle_ms'], '.1f')} ms,"
-            f" peak {row['peak_gib']:.1f} GiB, syncs/step {fmt(row['syncs_per_step'], '.2f')},"
-            f" final loss {row.get('final_loss', float('nan')):.4f}"
-        )
-        print(f"[{mode}] {summary} ({row['wall_s']} s)", flush=True)
-        if "plugin_stats" in row:
-            print(f"[{mode}] plugin stats: {row['plugin_stats']}", flush=True)
-        if "loss_scale" in row:
-            print(f"[{mode}] final loss scale: {row['loss_scale']:g}", flush=True)
-        cleanup()
 
     by_mode = {r["mode"]: r for r in rows if "error" not in r}
     fingerprints = {r["fingerprint"] for r in by_mode.values()}
@@ -675,6 +582,13 @@ def main(argv: Optional[list[str]] = None) -> int:
               " speed vs plain-bf16 >= 1.05, peak vs lightning-bf16-mixed <= 0.85)")
         print()
         print(half_table)
+    watch_table = callback_table(rows)
+    if watch_table is not None:
+        print()
+        print("callbacks: ratios to mp-bf16+log (the same run with its CSVLogger, no callback); the targets bound the"
+              " median cycle")
+        print()
+        print(watch_table)
     print(f"total {time.perf_counter() - t_all:.1f} s", flush=True)
 
     if args.json:

@@ -43,7 +43,7 @@ from torch import nn
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 sys.path.insert(1, os.path.dirname(_HERE))  # the repository root: examples/ (the VLM)
-from bench_overhead import GPT, init_gpt_weights, lit_gpt  # noqa: E402  the core benchmark's model
+from common import GPT, init_gpt_weights, lit_gpt  # noqa: E402  the shared model
 
 from lightning_mp.tools.compare import ModeResult, _PeakMemory, parse_mode, run_mode  # noqa: E402
 
