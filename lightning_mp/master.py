@@ -69,7 +69,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mp._host import HostCopy
 from lightning_mp.verdict import _GRAD, ZeroFlags, check_tensors_
-from lightning_mp.settings import MASTER_WEIGHT_KINDS, parse_master_weights  # noqa: F401 - (also here)
+from lightning_mp.settings import parse_master_weights
 
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES: dict[Optional[torch.dtype], str] = {
@@ -1338,11 +1338,6 @@ class KahanCompensation(MasterWeights):
             param.copy_(torch.where(skip, param, new))
             comp.copy_(torch.where(skip, comp, err))
             _no_tie_(param, comp)
-
-    def compensation_of(self, param: nn.Parameter) -> Optional[Tensor]:
-        """The compensation buffer of a model parameter (``None`` if it has none)."""
-        entry = self._entries.get(id(param))
-        return None if entry is None else entry.held
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()

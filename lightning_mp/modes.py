@@ -83,8 +83,6 @@ MODES: dict[str, PrecisionMode] = {
     )
 }
 
-#: names the parser knows whose support lands in a later release, with what to use meanwhile
-PLANNED: dict[str, str] = {}
 
 ALIASES: dict[str, str] = {
     # Lightning's precision strings
@@ -116,7 +114,7 @@ AUTO = "auto"
 
 def accepted_names() -> list[str]:
     """Every string ``parse_precision`` accepts, canonical names first."""
-    return [*MODES, *PLANNED, AUTO, *ALIASES]
+    return [*MODES, AUTO, *ALIASES]
 
 
 def parse_precision(value: object) -> str:
@@ -134,7 +132,7 @@ def parse_precision(value: object) -> str:
     hint = ""
     if isinstance(value, str):
         key = value.strip().lower()
-        if key in MODES or key in PLANNED or key == AUTO:
+        if key in MODES or key == AUTO:
             return key
         if key in ALIASES:
             return ALIASES[key]
@@ -191,16 +189,10 @@ def resolve_mode(name: str, device_type: str) -> PrecisionMode:
 
     Raises:
         ValueError: when the hardware cannot run the mode, saying why and what to use instead.
-        NotImplementedError: for a known mode that this release does not run yet.
     """
     name = parse_precision(name)
     if name == AUTO:
         return MODES[auto_choice(device_type)[0]]
-    if name in PLANNED:
-        raise NotImplementedError(
-            f"precision={name!r} is a known mode but this release of lightning_mp does not run it yet;"
-            f" use precision={PLANNED[name]!r} meanwhile."
-        )
     mode = MODES[name]
     if name == "fp8":
         from lightning_mp.fp8.support import FP8UnavailableError, fp8_device_problem

@@ -49,7 +49,6 @@ class RunPrecision:
         self.requested = settings.precision
         self.patches = patches if patches is not None else Patches()  # TF32 flags, TE's amax reduction: undone here
         self.device = device
-        self.weights = weights
         self.mode: Optional[PrecisionMode] = None
         #: the loss scaler (fp16 modes), the inf/NaN step guard (other modes), or ``None`` (``skip_nonfinite=False``)
         self.scaler: Optional[StepGuard] = None

@@ -18,7 +18,6 @@ The order of one step of one optimizer (stages in capitals; misuse is a clear er
       6. the verdict: a read-only check of the gradients the optimizer will apply, unless a source above already
          saw them after the last hook that could write them; the FP8 saturation flag is added; under DDP every
          rank takes the worst
-    CHECKED
       7. step, or skip: the optimizer steps the stand-ins (fused optimizers skip on the device); the half weights
          are written back; on a skip the buffers the window's forward passes changed are restored
     STEPPED

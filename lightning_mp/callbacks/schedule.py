@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_mp.modes import AUTO, MODES, PLANNED, parse_precision, resolve_mode
+from lightning_mp.modes import AUTO, parse_precision, resolve_mode
 from lightning_mp.stats import StepStats
 
 INTERVALS = ("step", "epoch")
@@ -314,14 +314,7 @@ def _known(value: Any, what: str) -> str:
 
 
 def _runnable(value: Any, what: str) -> str:
-    name = _known(value, f"{what}={value!r}")
-    if name in PLANNED:
-        runnable = ", ".join(repr(n) for n in [*MODES, AUTO])
-        raise ValueError(
-            f"{what}={value!r} names a mode this release cannot run yet; switch to one of {runnable}"
-            f" (e.g. {PLANNED[name]!r}). It may appear as a fallback key, ready for when it runs."
-        )
-    return name
+    return _known(value, f"{what}={value!r}")
 
 
 def _is_mpplugin(plugin: Any) -> bool:

@@ -229,7 +229,7 @@ def parse_mode(value: str) -> str:
 def default_modes(device_type: str) -> list[str]:
     import lightning_mp.modes as modes
 
-    return [*modes.MODES, *[m for m in modes.PLANNED if m not in modes.MODES]]
+    return list(modes.MODES)
 
 
 def _unsupported_reason(mode: str, device_type: str) -> Optional[str]:
