@@ -24,6 +24,12 @@ Selection (``fp32_modules``) is a list of
 
 ``None`` means the defaults; an empty list turns the guards off.
 
+Guards applied with :func:`apply_fp32_guards` are the user's: copies and pickles of the model keep them. The guards
+a run of ``MPPlugin`` installs (:func:`guard_for_run`) last as long as the run: its teardown removes them from the
+module, and the copies of the module made during the run (weight-averaging callbacks, ``torch.save(pl_module)``)
+keep only inert ones (the module's own forward, no guard for :func:`fp32_guard_of`), which the next
+:func:`apply_fp32_guards` or run removes.
+
 Rule for outputs (modules and the ``fp32_*`` functions alike): under autocast they stay fp32, as autocast's own
 fp32 operations return; without autocast (true-half modes) they go back to the 16-bit dtype the inputs came in,
 so the next half-precision layer receives what it expects. A guarded module without 16-bit inputs (an
@@ -50,7 +56,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import uuid
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -670,6 +678,54 @@ def _saved_tensor_hooks_active() -> bool:
         return True
 
 
+class _RunMark:
+    """What the guards one run installed (:func:`guard_for_run`) share: whether that run is under way.
+
+    A module copied during the run carries the run's guards (they are in its ``__dict__`` and hooks); the copies
+    must not outlive the run as guarded modules, which would compute differently from the module (under autocast)
+    and look like guards of the user's own to a later run. So every copy refers to this one object:
+    ``copy.deepcopy`` keeps it (not copied), a pickle names it by a token that finds it again in this process while
+    the run lasts. :meth:`end` (the run's teardown) turns the guards of the module and of every copy inert: they
+    compute nothing, :func:`fp32_guard_of` ignores them and the next :func:`apply_fp32_guards` or run removes them.
+    Loaded after the run, or in another process, a pickled mark is an ended one.
+    """
+
+    __slots__ = ("__weakref__", "live", "token")
+
+    def __init__(self, token: str, live: bool) -> None:
+        self.token = token
+        self.live = live
+
+    @classmethod
+    def start(cls) -> _RunMark:
+        mark = cls(uuid.uuid4().hex, live=True)
+        _LIVE_RUNS[mark.token] = mark
+        return mark
+
+    def end(self) -> None:
+        self.live = False
+        _LIVE_RUNS.pop(self.token, None)
+
+    def __copy__(self) -> _RunMark:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _RunMark:
+        return self
+
+    def __reduce__(self) -> tuple[Callable[[str], _RunMark], tuple[str]]:
+        return _run_mark, (self.token,)
+
+
+#: the marks of the runs under way in this process, by token (a pickled guard finds its run's here)
+_LIVE_RUNS: weakref.WeakValueDictionary[str, _RunMark] = weakref.WeakValueDictionary()
+
+
+def _run_mark(token: str) -> _RunMark:
+    """A pickled run mark, loaded: the run's own while it lasts, else an ended one."""
+    mark = _LIVE_RUNS.get(token)
+    return mark if mark is not None else _RunMark(token, live=False)
+
+
 class FP32Guard:
     """The forward hooks that run one module in fp32 (installed by :func:`apply_fp32_guards`).
 
@@ -691,10 +747,18 @@ class FP32Guard:
     ``torch.autocast(device, enabled=False)`` blocks (see :class:`_GuardedForward`), the forward hook downcasts:
     the same values, no graph breaks. Not there: saved-tensor hooks, the default-dtype switch, the separately
     compiled LayerNorm, and autocast off for other pre-hooks and forward hooks of the module (only its forward).
+
+    ``run``: the run that installed the guard (:func:`guard_for_run`); once it ended, the guard is inert (on copies
+    of the module made during the run: the run's teardown removed it from the module itself). ``None``: the user's
+    guard (:func:`apply_fp32_guards`), kept until the user removes it.
     """
 
-    def __init__(self, keep_fp32_output: bool, fused_layer_norm: bool = False) -> None:
+    #: (a class attribute: guards pickled before runs marked theirs load as the user's)
+    run: Optional[_RunMark] = None
+
+    def __init__(self, keep_fp32_output: bool, fused_layer_norm: bool = False, run: Optional[_RunMark] = None) -> None:
         self.keep_fp32_output = keep_fp32_output
+        self.run = run
         #: a plain ``nn.LayerNorm`` (its class's forward): outside autocast, on CUDA, a 16-bit input runs
         #: through the compiled fp32 kernel (see :func:`fused_layer_norm_available`); the pre-hook then opens no
         #: fp32 region (``None`` on ``_open``), which tells the forward to run the kernel
@@ -705,7 +769,16 @@ class FP32Guard:
         #: or ``_AUTOCAST_RUNS_IT`` (a plain LayerNorm under autocast, which runs it in fp32 itself: nothing to do)
         self._open: list[Optional[tuple[Any, ...]]] = []
 
+    @property
+    def live(self) -> bool:
+        """Whether the guard works: the user's, or its run's under way."""
+        run = self.run
+        return run is None or run.live
+
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        run = self.run
+        if run is not None and not run.live:  # a copy of a run's guard after the run: the module's own forward
+            return None  # (nothing opened: the forward hook and the guarded forward find nothing to do)
         default = torch.get_default_dtype()  # the model's compute dtype (before the fp32 region makes it fp32)
         if _compiling():
             return self._before_compiling(args, kwargs, default)
@@ -848,6 +921,15 @@ def apply_fp32_guards(
 
         names = apply_fp32_guards(model, ["defaults", "*.router"])
     """
+    return _install(module, spec, None)
+
+
+def _install(
+    module: nn.Module, spec: Union[FP32GuardSpec, Sequence[FP32ModuleSpec], None], run: Optional[_RunMark]
+) -> list[str]:
+    """:func:`apply_fp32_guards`, the new guards marked with ``run`` (``None``: the user's). Inert guards (of a run
+    that ended, on a module copied during it) go first: the module is guarded as if they had never been there."""
+    _remove_inert_guards(module)
     names = guarded_modules(module, spec)
     for name in names:
         sub = module.get_submodule(name)
@@ -857,7 +939,7 @@ def apply_fp32_guards(
             continue
         inner = sub.__dict__.get("forward")  # a forward set on the instance: called by the guarded one
         fused = inner is None and type(sub).forward is nn.LayerNorm.forward
-        guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub), fused_layer_norm=fused)
+        guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub), fused_layer_norm=fused, run=run)
         sub.forward = _GuardedForward(sub, inner)
         # both first in line: other pre-hooks run inside the fp32 region on fp32 inputs, and other forward
         # hooks see the output as the next layer receives it
@@ -872,6 +954,19 @@ def apply_fp32_guards(
 def remove_fp32_guards(module: nn.Module) -> list[str]:
     """Remove every FP32 guard inside ``module`` (parameters keep their dtype); returns the names unguarded."""
     return [name for name, sub in module.named_modules() if remove_fp32_guard(sub)]
+
+
+def _remove_inert_guards(module: nn.Module) -> list[str]:
+    """Remove the inert guards inside ``module``: those a run installed, on a copy made during the run (see
+    :class:`_RunMark`); returns the names unguarded."""
+    inert = [name for name, sub in module.named_modules() if _inert(sub.__dict__.get(_GUARD_ATTR))]
+    for name in inert:
+        remove_fp32_guard(module.get_submodule(name))
+    return inert
+
+
+def _inert(guard: Any) -> bool:
+    return isinstance(guard, FP32Guard) and not guard.live
 
 
 def remove_fp32_guard(sub: nn.Module) -> bool:
@@ -897,21 +992,27 @@ def guard_for_run(
     installed (guards already there, the user's own, stay).
 
     The names are every guarded module's, the user's own guards included (outermost only): what runs in fp32, so
-    what a true-half run keeps fp32 (:func:`lightning_mp.master.cast_module_`)."""
+    what a true-half run keeps fp32 (:func:`lightning_mp.master.cast_module_`).
+
+    The guards installed share a :class:`_RunMark`: the undo ends it, so the guards that copies of the module made
+    during the run carry go inert with the module's own."""
     before = {id(sub) for sub in module.modules() if fp32_guard_of(sub) is not None}
-    names = apply_fp32_guards(module, spec)
+    run = _RunMark.start()
+    names = _install(module, spec, run)
     added = [sub for sub in (module.get_submodule(name) for name in names) if id(sub) not in before]
     if before:  # the user's guards: their modules run in fp32 too
         names = _outermost(module, lambda name, sub: fp32_guard_of(sub) is not None)
 
     def undo() -> None:
+        run.end()  # first: the copies' guards go inert even if a removal below fails
         for sub in added:
-            remove_fp32_guard(sub)
+            if getattr(sub.__dict__.get(_GUARD_ATTR), "run", None) is run:  # (not one the user put there since)
+                remove_fp32_guard(sub)
 
     return names, undo
 
 
 def fp32_guard_of(module: nn.Module) -> Optional[FP32Guard]:
-    """The guard installed on this very module, if any."""
+    """The guard working on this very module, if any (not an inert one: a run's, on a copy, after the run)."""
     guard = module.__dict__.get(_GUARD_ATTR)
-    return guard if isinstance(guard, FP32Guard) and guard.handles else None
+    return guard if isinstance(guard, FP32Guard) and guard.handles and guard.live else None

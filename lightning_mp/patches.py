@@ -6,8 +6,8 @@ A run of ``MPPlugin`` changes these, and nothing else, outside its own objects:
 what                                   made by                         undone
 =====================================  ==============================  =============================================
 FP32 guards: a forward pre-hook, a     ``convert_module``              ``teardown`` (the guards this plugin put
-forward hook, an instance ``forward``  (:mod:`lightning_mp.guards`)    there; guards the user applied stay)
-and an attribute on guarded modules
+forward hook, an instance ``forward``  (:mod:`lightning_mp.guards`)    there; inert on copies made during the run;
+and an attribute on guarded modules                                    guards the user applied stay)
 fp32 weights and buffers of the        ``convert_module`` in true-     ``teardown`` (cast to the half dtype, their
 FP32-guarded modules                   half modes (:mod:`lightning_mp  fp32 values remembered for the next run and
                                        .master`)                       for checkpoints)
@@ -34,9 +34,12 @@ ends with an exception or an interrupt: afterwards the user's module is a plain 
 What is set on the user's objects pickles and deep-copies: ``torch.save(pl_module)`` and ``copy.deepcopy(pl_module)``
 mid-fit (checkpointing code, weight-averaging callbacks) work in every mode. Nothing of the scheduler hold is in the
 module's ``__dict__``, so a copy calls its own ``lr_scheduler_step``, never held. The FP32 guards are objects bound to
-the copy they are copied with (:mod:`lightning_mp.guards`); ``teardown`` undoes the trained module's only, so a copy
-taken mid-fit keeps its guards. Parameters and optimizers carry nothing of ours into a copy (torch leaves tensor
-hooks and an optimizer's hooks out of copies and pickles).
+the copy they are copied with (:mod:`lightning_mp.guards`), which work as the module's while the run lasts; the run's
+guards share one mark, which the copies share too (a pickle finds it again while the run lasts), and ``teardown``
+switches it off as it removes the trained module's guards: after the run a copy's guards are inert (the module's own
+forward; :func:`~lightning_mp.guards.fp32_guard_of` sees none), and the next run or ``apply_fp32_guards`` removes
+them. Guards the user applied are the user's in every copy. Parameters and optimizers carry nothing of ours into a
+copy (torch leaves tensor hooks and an optimizer's hooks out of copies and pickles).
 
 Example::
 
