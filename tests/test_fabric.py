@@ -434,3 +434,25 @@ def test_training_before_setup_says_what_to_do():
     plugin = MPFabricPrecision("bf16")
     with pytest.raises(Exception, match="fabric.setup"):
         plugin.pre_backward(torch.ones(()), None)
+
+
+# ---------------------------------------------------------------------------------------------- the example
+def test_the_fabric_example_trains_and_resumes(tmp_path):
+    """``examples/fabric_bf16_true.py`` at a tiny size: trains, saves the plugin with the run, resumes its counters,
+    and leaves the model plain."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)  # `examples` is a package at the repository root, not an installed one
+    from examples.fabric_bf16_true import main
+
+    tiny = ["--width=32", "--depth=1", "--heads=2", "--seq-len=32", "--batch-size=4", "--max-bytes=40000",
+            "--accelerator=cpu", "--log-every=100"]
+    first = main([*tiny, "--steps=3", f"--checkpoint={tmp_path / 'ckpt.pt'}"])
+    assert first["step"] == 3 and first["stats"]["steps"] == 3 and torch.isfinite(torch.tensor(first["val_loss"]))
+    assert first["model"].blocks[0].mlp[0].weight.dtype == torch.bfloat16
+    resumed = main([*tiny, "--steps=4", f"--resume={tmp_path / 'ckpt.pt'}"])
+    assert resumed["step"] == 4 and resumed["stats"]["steps"] == 4
+    assert all(fp32_guard_of(m) is None and not m._forward_hooks for m in resumed["model"].modules())
