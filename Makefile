@@ -15,6 +15,10 @@ STAMP := $(VENV)/.lightning_mp-installed
 # holds the torch request the venv was built with; rewritten only when TORCH_SPEC or TORCH_INDEX_URL changes
 TORCH_STAMP := $(VENV)/.torch-spec
 TORCH_REQUEST := $(TORCH_SPEC)$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
+# LitGPT for tests/test_fabric_litgpt.py (a Fabric program of others), installed without its dependencies: its
+# jsonargparse<=4.41 pin conflicts with ours (>=4.44); the two packages that litgpt.model and litgpt.pretrain import
+# beyond ours come with it
+LITGPT_SPECS ?= litgpt==0.5.13 safetensors>=0.4.3 psutil==7.2.2
 
 .PHONY: setup compare demo test test-fast test-min test-gpu lint docs dist clean FORCE
 
@@ -28,6 +32,7 @@ $(STAMP): pyproject.toml $(TORCH_STAMP)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)" $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)")
 	$(PY) -m pip install --quiet -e ".[test,docs]"
+	$(PY) -m pip install --quiet --no-deps $(foreach s,$(LITGPT_SPECS),"$(s)")
 	touch $(STAMP)
 
 compare: $(STAMP)
