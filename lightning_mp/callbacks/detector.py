@@ -118,7 +118,8 @@ class NonFiniteDetector(Callback):
     activations and gradients once. Measured on the CPU (thread CPU time, MPPlugin("bf16"), an MLP of four
     Linear-LayerNorm-GELU blocks): +8 to +10 % of the step at width 512 / batch 64 (8 ms steps), +6 to +8 % at
     width 1024 / batch 256 (38 ms steps); ``track_inputs=True`` adds 1 to 2 points there, more in models with
-    much functional code between modules. ``benchmarks/bench_callbacks.py`` measures it on a GPU.
+    much functional code between modules. ``benchmarks/bench_overhead.py --modes mp-bf16+log,mp-bf16+detector``
+    measures it on a GPU.
 
     Args:
         action: ``"raise"`` stops training with ``NonFiniteTrainingError``; ``"warn"`` warns and goes on;
