@@ -390,7 +390,6 @@ class MasterWeights:
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}  # id(half param) -> entry
         self._names: dict[int, str] = {}  # id(half param) -> name in the module (checkpoints)
-        self._hooked: set[int] = set()  # optimizers whose state loading keeps fp32
         #: the steps under way (gathered, not written back): id(optimizer) -> (id(stand-in) -> half param)
         self._stepping: dict[int, dict[int, Tensor]] = {}
         self.dtype: Optional[torch.dtype] = None
@@ -407,9 +406,7 @@ class MasterWeights:
         """
         if module is not None:
             self.name_parameters(module)
-        if id(optimizer) not in self._hooked:
-            _keep_state_fp32_on_load(optimizer)
-            self._hooked.add(id(optimizer))
+        _keep_state_fp32_on_load(optimizer)  # (idempotent; again after a run's end took the hooks off)
         count = 0
         for param in _half_params(optimizer):
             self._entry(param)
@@ -860,8 +857,9 @@ def _half_params(optimizer: Optimizer) -> Iterator[Tensor]:
                 yield param
 
 
-#: the optimizers whose ``load_state_dict`` keeps fp32 state for half parameters (hooked once each)
-_KEEPS_FP32: "weakref.WeakSet[Optimizer]" = weakref.WeakSet()
+#: the optimizers whose ``load_state_dict`` keeps fp32 state for half parameters (hooked once each), with the handles
+#: of their two hooks
+_KEEPS_FP32: "weakref.WeakKeyDictionary[Optimizer, tuple[Any, Any]]" = weakref.WeakKeyDictionary()
 #: what torch's ``Optimizer.load_state_dict`` reads its hooks from (``Optimizer.__init__`` makes them; a wrapper that
 #: never runs it, as timm's Lookahead, has none)
 _LOAD_HOOKS = ("_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
@@ -875,16 +873,28 @@ def _keep_state_fp32_on_load(optimizer: Optimizer) -> None:
     without them (a wrapper that never ran ``Optimizer.__init__``, or no ``Optimizer`` at all) cannot run torch's
     cast on itself: its ``load_state_dict`` hands the state to the optimizers it wraps, which are hooked, or loads
     it without a cast.
+
+    Idempotent. A run of ``MPPlugin`` takes the hooks off again at its end (:func:`release_fp32_state_loading`,
+    listed in :mod:`lightning_mp.patches`): afterwards the optimizer loads a state as torch's does.
     """
     for owner in (optimizer, *wrapped_optimizers(optimizer)):
         if isinstance(owner, Optimizer) and owner not in _KEEPS_FP32 and all(
             isinstance(getattr(owner, "__dict__", {}).get(name), dict) for name in _LOAD_HOOKS
         ):
-            _hook_fp32_load(owner)
-            _KEEPS_FP32.add(owner)
+            _KEEPS_FP32[owner] = _hook_fp32_load(owner)
 
 
-def _hook_fp32_load(optimizer: Optimizer) -> None:
+def release_fp32_state_loading(optimizers: Iterable[Optimizer]) -> None:
+    """Undo :func:`_keep_state_fp32_on_load` on ``optimizers`` and the optimizers they wrap: their
+    ``load_state_dict`` casts the state to each parameter's dtype again, as torch's."""
+    for optimizer in optimizers:
+        for owner in (optimizer, *wrapped_optimizers(optimizer)):
+            handles = _KEEPS_FP32.pop(owner, None) if isinstance(owner, Optimizer) else None
+            for handle in handles or ():
+                handle.remove()
+
+
+def _hook_fp32_load(optimizer: Optimizer) -> tuple[Any, Any]:
     swaps: list[tuple[list, int, Tensor, Tensor]] = []
 
     def before_load(opt: Optimizer, state_dict: dict) -> None:
@@ -907,8 +917,10 @@ def _hook_fp32_load(optimizer: Optimizer) -> None:
                 if stand_in in state:
                     state[param] = state.pop(stand_in)
 
-    optimizer.register_load_state_dict_pre_hook(before_load)
-    optimizer.register_load_state_dict_post_hook(after_load)
+    return (
+        optimizer.register_load_state_dict_pre_hook(before_load),
+        optimizer.register_load_state_dict_post_hook(after_load),
+    )
 
 
 class _StateMirror:

@@ -11,6 +11,9 @@ and an attribute on guarded modules                                    guards th
 fp32 weights and buffers of the        ``convert_module`` in true-     ``teardown`` (cast to the half dtype, their
 FP32-guarded modules                   half modes (:mod:`lightning_mp  fp32 values remembered for the next run and
                                        .master`)                       for checkpoints)
+load-state hooks on the optimizers     ``connect`` in true-half modes  ``teardown`` (afterwards the optimizers load
+(and those they wrap): a loaded state  with master weights             a state as torch's: cast to each parameter's
+keeps fp32 for half parameters         (:mod:`lightning_mp.master`)    dtype)
 ``lr_scheduler_step`` on the           ``connect``                     ``teardown`` (the class's own entry
 LightningModule's class: a descriptor  (:mod:`lightning_mp.schedulers`)
 that holds the trained instance only                                   back once no instance is held)

@@ -28,7 +28,7 @@ import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import lightning_scaler_state, load_plugin_state, plugin_state
 from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
-from lightning_mp.master import fp32_state_dict_
+from lightning_mp.master import fp32_state_dict_, release_fp32_state_loading
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.options import announce, describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
@@ -214,6 +214,8 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         fsdp = self._fsdp_root is not None
         masters = self._weights.connect(self.mode, module or model, raw, fsdp=fsdp, device=device)
+        if masters is not None:  # (their state loading keeps fp32 while the run lasts)
+            self._patches.add(f"fp32 state loading of {len(raw)} optimizers", lambda: release_fp32_state_loading(raw))
         self._steps = OptimizerSteps(
             self._run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
             saturation=self._fp8.sentinel.take if self._fp8 is not None and self.mode.fp8 else None,
