@@ -20,6 +20,7 @@ after each step): the loss scale moves and the buffer snapshot goes after it. Fa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union, cast
 
 import torch
@@ -37,7 +38,6 @@ import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import _load_master_weights, load_plugin_state, normalise, plugin_state
 from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
-from lightning_mp.master import keeps_own_masters, seed_optimizer_masters
 from lightning_mp.modes import MODES, PrecisionMode
 from lightning_mp.options import announce, describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
@@ -137,6 +137,7 @@ class MPFabricPrecision(Precision):
         self._modules: list[nn.Module] = []  # what fabric.setup converted, in order
         self._container: Optional[nn.Module] = None  # the module, or a ModuleList of several (names, buffers)
         self._optimizers: list[Optimizer] = []  # in the order they joined (their counters' order)
+        self._device = torch.device("cpu")  # where the parameters are (set at the first contact)
         self._guarded: set[int] = set()  # ids of the modules whose FP32 guards are installed
         #: a loaded checkpoint's (mode, master weights), applied at the next step: once fabric.load has loaded the
         #: model whatever the order of its state dict, and the optimizers are known
@@ -185,9 +186,10 @@ class MPFabricPrecision(Precision):
         Optional for training (an optimizer joins at its first step), needed for an exact resume: before
         ``fabric.load``, so that loading the optimizer state keeps it fp32 for half-precision parameters (torch's
         ``Optimizer.load_state_dict`` casts it to the parameters' dtype otherwise)."""
-        self._connected()
-        for optimizer in optimizers:
-            self._join(_unwrap(optimizer))
+        raw = [_unwrap(optimizer) for optimizer in optimizers]
+        self._connected(raw)
+        for optimizer in raw:
+            self._join(optimizer)
 
     def _guard(self, module: nn.Module, device_type: Optional[str]) -> None:
         """Install the FP32 guards on ``module`` for this run (once), with their undo recorded."""
@@ -208,8 +210,9 @@ class MPFabricPrecision(Precision):
             spec = spec.with_native_layer_norm()  # torch's LayerNorm on bf16 computes in fp32; masters keep fp32
         return spec
 
-    def _connected(self) -> OptimizerSteps:
-        """The run's step, set up at the first contact after ``fabric.setup``, on the parameters' device."""
+    def _connected(self, optimizers: Sequence[Optimizer] = ()) -> OptimizerSteps:
+        """The run's step, set up at the first contact after ``fabric.setup``, on the parameters' device, with the
+        optimizers known by then (``optimizers``: given to :meth:`setup_optimizers`)."""
         if self._steps is not None:
             return self._steps
         container = self._container
@@ -218,7 +221,10 @@ class MPFabricPrecision(Precision):
                 "MPFabricPrecision: no model was set up. Call fabric.setup(model, optimizer) (or"
                 " fabric.setup_module(model)) before training: the plugin converts and guards the model there."
             )
-        device = distributed.root_device(None, container)
+        for optimizer in optimizers:
+            _check_optimizer(optimizer)
+        self._optimizers = list(optimizers)
+        self._device = device = distributed.root_device(None, container)
         run = self._run
         run.connect(device)  # auto settles, the device is checked, the scaler moves there, TF32
         for module in self._modules:
@@ -226,16 +232,16 @@ class MPFabricPrecision(Precision):
         announce(self)
         self.stats.set_scaler(run.scaler)
         distributed.connect(container, run.scaler, None, None, [])  # under DDP every rank takes the worst verdict
-        masters = self._weights.connect(self.active_mode, container, [], fsdp=False, device=device)
+        masters = self._weights.connect(self.active_mode, container, self._optimizers, fsdp=False, device=device)
         fp8 = run.fp8 if run.fp8 is not None and self.active_mode.fp8 else None
         steps = OptimizerSteps(
             run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
             saturation=fp8.sentinel.take if fp8 is not None else None, spike=self._spike, release_grads=False,
         )  # fmt: skip
-        steps.connect(None, [])
+        steps.connect(None, self._optimizers)
         self._steps = steps
         self.stats.set_namer(self._weights.namer(container))
-        run.connect_fp8(None, device, watch=run.scaler is not None, optimizers=[])
+        run.connect_fp8(None, device, watch=run.scaler is not None, optimizers=self._optimizers)
         return steps
 
     @property
@@ -251,42 +257,25 @@ class MPFabricPrecision(Precision):
         self.stats.set_namer(self._weights.namer(container))
 
     def _join(self, optimizer: Optimizer) -> None:
-        """An optimizer of the run, seen for the first time: its half parameters get masters, its state loading keeps
-        them fp32; the buffer snapshot finds the buffers' owners again."""
+        """An optimizer seen for the first time joins the run: the master weights are set up again for the
+        optimizers known now (its half parameters get masters, made the same on every rank; its state loading keeps
+        them fp32), and the buffer snapshot finds the buffers' owners again."""
+        steps = self._steps
+        assert steps is not None and self._container is not None  # (after _connected)
         if any(opt is optimizer for opt in self._optimizers):
             return
-        if not isinstance(getattr(optimizer, "param_groups", None), list):
-            raise MisconfigurationException(
-                f"MPFabricPrecision steps torch optimizers, got {type(optimizer).__name__}: it runs on single-device"
-                " and DDP strategies. DeepSpeed runs its own precision: use Fabric(precision=...) with it."
-            )
+        _check_optimizer(optimizer)
         self._optimizers.append(optimizer)
-        self._check_optimizer_masters(optimizer)
-        masters = self._steps.masters if self._steps is not None else None
-        if masters is not None:
-            masters.attach(optimizer)
-        if self._steps is not None and len(self._optimizers) > 1:
-            self._steps.buffers.forget_plan()
-
-    def _check_optimizer_masters(self, optimizer: Optimizer) -> None:
-        mode = self.active_mode
-        if not mode.true_half:
-            return
-        kind, own = self.master_weights, keeps_own_masters(optimizer)
-        if kind == "optimizer" and not own:
+        masters = self._weights.connect(self.active_mode, self._container, self._optimizers, fsdp=False,
+                                        device=self._device)  # fmt: skip
+        if masters is not steps.masters:
             raise MisconfigurationException(
-                f"MPFabricPrecision(precision={mode.name!r}, master_weights='optimizer') needs optimizers that keep"
-                f" fp32 master weights themselves, but {type(optimizer).__name__} does not (no master_weights=True)."
-                " Use master_weights='fp32' (the default) with any optimizer."
+                f"MPFabricPrecision(precision={self.active_mode.name!r}): {type(optimizer).__name__} joined a run"
+                " whose master weights were set up without it, and it keeps fp32 master weights itself (or the"
+                " others do not). Give every optimizer to plugin.setup_optimizers(...) right after fabric.setup,"
+                " or pass master_weights='optimizer' with optimizers that keep their own masters."
             )
-        if own and kind != "optimizer":
-            raise MisconfigurationException(
-                f"MPFabricPrecision(precision={mode.name!r}, master_weights={kind!r}) with"
-                f" {type(optimizer).__name__}, which keeps fp32 master weights itself: there would be two sets."
-                " Pass master_weights='optimizer' to the plugin, or master_weights=False to the optimizer."
-            )
-        if own:
-            seed_optimizer_masters(optimizer)
+        steps.buffers.forget_plan()
 
     # ------------------------------------------------------------------ forward
     def _dtype(self) -> Optional[torch.dtype]:
@@ -442,6 +431,14 @@ class MPFabricPrecision(Precision):
             self._modules, self._container, self._optimizers = [], None, []
             self._guarded.clear()
             self._patches.undo_all()
+
+
+def _check_optimizer(optimizer: Any) -> None:
+    if not isinstance(getattr(optimizer, "param_groups", None), list):
+        raise MisconfigurationException(
+            f"MPFabricPrecision steps torch optimizers, got {type(optimizer).__name__}: it runs on single-device"
+            " and DDP strategies. DeepSpeed runs its own precision: use Fabric(precision=...) with it."
+        )
 
 
 def _unwrap(optimizer: Any) -> Optimizer:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import math
 from typing import Any, Optional
 
 import pytest
@@ -434,6 +435,37 @@ def test_training_before_setup_says_what_to_do():
     plugin = MPFabricPrecision("bf16")
     with pytest.raises(Exception, match="fabric.setup"):
         plugin.pre_backward(torch.ones(()), None)
+
+
+# ---------------------------------------------------------------------------------------------- DDP
+def _ddp_train(fabric: Fabric, folder: str, value: float) -> None:
+    """Six steps; at steps 2 and 3 rank 1 alone finds a non-finite gradient (written after DDP's all-reduce)."""
+    model = fabric.setup(mlp(seed=fabric.global_rank))  # ranks initialised differently: DDP broadcasts rank 0's
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-2))
+    for step, batch in enumerate(batches(6)):
+        fabric.backward(nn.functional.mse_loss(model(batch[0]), batch[1]))
+        if step in (2, 3) and fabric.global_rank == 1:
+            next(model.parameters()).grad[0, 0] = value
+        optimizer.step()
+        optimizer.zero_grad()
+    plugin = fabric.strategy.precision
+    torch.save({"params": {n: p.detach().clone() for n, p in model.module.named_parameters()},
+                "stats": plugin.stats.as_dict(), "masters": plugin.masters.state_dict() if plugin.masters else None},
+               f"{folder}/rank{fabric.global_rank}.pt")  # fmt: skip
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize(("mode", "value"), [("bf16", math.nan), ("fp16", math.inf), ("bf16-true", math.nan)])
+def test_ddp_every_rank_skips_what_one_rank_sees(mode, value, tmp_path):
+    """DDP on the CPU (gloo, 2 processes): an inf/NaN on one rank only skips the step on every rank; the ranks'
+    weights, fp32 masters (ranks initialised differently) and counters stay the same."""
+    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp_fork", plugins=[ours(mode)])
+    fabric.launch(_ddp_train, str(tmp_path), value)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    assert_equal(ranks[0], ranks[1])
+    assert (ranks[0]["stats"]["steps"], ranks[0]["stats"]["skipped_steps"]) == (6, 2)
+    assert all(torch.isfinite(p).all() for p in ranks[0]["params"].values())
+    assert (ranks[0]["masters"] is not None) == (mode == "bf16-true")
 
 
 # ---------------------------------------------------------------------------------------------- the example
