@@ -176,7 +176,7 @@ class MPFabricPrecision(Precision):
         if mode is not None and mode.fp8:
             self._run.convert_fp8(module, torch.device(self._run.device))  # (raises where FP8 cannot run)
         if self._steps is not None:  # a model set up after training started (a teacher, a second model)
-            self._guard(module, device_type=distributed.root_device(None, module).type)
+            self._guard(module, device_type=self._device.type)  # (Fabric moves it there after this hook)
             self._name_parameters()
         return module
 
@@ -396,7 +396,8 @@ class MPFabricPrecision(Precision):
         load_plugin_state(now, current_mode=self._run.name, scaler=self._run.scaler, masters=None, master_weights=None,
                           fp8=self._run.fp8, stats=self.stats, module=None, spike=self._spike)  # fmt: skip
         self._pending = (state["mode"], state.get("master_weights"))
-        if state.get("master_weights") is not None and not self._optimizers:
+        mode = self._run.mode
+        if state.get("master_weights") is not None and mode is not None and mode.true_half and not self._optimizers:
             rank_zero_warn(
                 "MPFabricPrecision: the checkpoint holds master weights, but no optimizer was given to"
                 " plugin.setup_optimizers(...) before fabric.load: torch's Optimizer.load_state_dict casts the"
@@ -409,11 +410,9 @@ class MPFabricPrecision(Precision):
         assert pending is not None and self._container is not None  # (callers check both)
         saved_mode, saved = pending
         known = MODES.get(saved_mode) if isinstance(saved_mode, str) else None
-        _load_master_weights(saved, self.masters if self._steps_have_masters() else None, self.master_weights,
-                             self._run.name, self._container, known.param_dtype if known is not None else None)
-
-    def _steps_have_masters(self) -> bool:
-        return self._steps is not None and self._steps.masters is not None
+        masters = self._steps.masters if self._steps is not None else None
+        _load_master_weights(saved, masters, self.master_weights, self._run.name, self._container,
+                             known.param_dtype if known is not None else None)  # fmt: skip
 
     # ------------------------------------------------------------------ teardown
     @override
