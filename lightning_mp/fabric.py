@@ -38,6 +38,7 @@ import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import _load_master_weights, load_plugin_state, normalise, plugin_state
 from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
+from lightning_mp.master import release_fp32_state_loading
 from lightning_mp.modes import MODES, PrecisionMode
 from lightning_mp.options import announce, describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
@@ -233,6 +234,9 @@ class MPFabricPrecision(Precision):
         self.stats.set_scaler(run.scaler)
         distributed.connect(container, run.scaler, None, None, [])  # under DDP every rank takes the worst verdict
         masters = self._weights.connect(self.active_mode, container, self._optimizers, fsdp=False, device=device)
+        if masters is not None:  # the optimizers' state loading keeps fp32 while the run lasts (and joiners')
+            joined = self._optimizers
+            self._patches.add("fp32 state loading of the run's optimizers", lambda: release_fp32_state_loading(joined))
         fp8 = run.fp8 if run.fp8 is not None and self.active_mode.fp8 else None
         steps = OptimizerSteps(
             run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,

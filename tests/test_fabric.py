@@ -343,8 +343,8 @@ def hooks_of(module: nn.Module) -> list[tuple[str, int, int, bool]]:
 @pytest.mark.parametrize("mode", MODES)
 def test_the_module_is_plain_after_teardown(mode):
     """While training the guards sit on the model; after ``plugin.teardown()`` nothing of the plugin is left on it
-    (its class, hooks and attributes as a model never set up), and its weights are as Fabric's own plugin leaves
-    them."""
+    (its class, hooks and attributes as a model never set up) or on the optimizer, and its weights are as Fabric's
+    own plugin leaves them."""
     plain = hooks_of(Normed())
     model = Normed()
     run = Run(ours(mode, fp32_modules=GUARDED), model=model)
@@ -352,6 +352,8 @@ def test_the_module_is_plain_after_teardown(mode):
     assert fp32_guard_of(model.gate) is not None
     run.plugin.teardown()
     assert type(model) is Normed and hooks_of(model) == plain
+    optimizer = run.optimizer.optimizer  # its state loads as torch's again (cast to the parameters' dtype)
+    assert not optimizer._optimizer_load_state_dict_pre_hooks and not optimizer._optimizer_load_state_dict_post_hooks
     reference = Run(fabric_own(mode), model=Normed())
     assert {n: p.dtype for n, p in model.named_parameters()} == {
         n: p.dtype for n, p in reference.model.module.named_parameters()}
