@@ -421,11 +421,11 @@ class MPFabricPrecision(Precision):
     # ------------------------------------------------------------------ teardown
     @override
     def teardown(self) -> None:
-        """End the run: the last step's state goes, every change to the models is undone (FP32 guards, the fp32
-        weights of guarded modules in true-half modes become half as Fabric's ``HalfPrecision`` leaves them, TF32
-        flags). Fabric calls no teardown of its own: call this (or ``fabric.strategy.teardown()``) when training
-        ends. The counters, the loss scale and the master weights stay with the plugin; ``fabric.setup`` starts
-        another run."""
+        """End the run: the last step's state goes, every change to the models and optimizers is undone (FP32
+        guards, the fp32 weights of guarded modules in true-half modes become half as Fabric's ``HalfPrecision``
+        leaves them, the optimizers' fp32 state loading, TF32 flags). Fabric calls no teardown of its own: call this
+        (or ``fabric.strategy.teardown()``) when training ends. The counters, the loss scale and the master weights
+        stay with the plugin; ``fabric.setup`` starts another run."""
         try:
             if self._steps is not None:
                 self._steps.close()
