@@ -40,14 +40,11 @@ from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
 from lightning_mp.master import release_fp32_state_loading
 from lightning_mp.modes import MODES, PrecisionMode
-from lightning_mp.options import announce, describe, plugin_compute_dtype
-from lightning_mp.patches import Patches
-from lightning_mp.run_precision import RunPrecision
+from lightning_mp.options import announce
 from lightning_mp.settings import DEFAULTS, MPSettings
-from lightning_mp.spike import SpikeGuard
-from lightning_mp.stats import StepStats
 from lightning_mp.step import OptimizerSteps
-from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
+from lightning_mp.surface import PrecisionRun
+from lightning_mp.true_half import cast_weights_
 
 
 class _FabricLoop:
@@ -66,7 +63,8 @@ def _nothing() -> None:
     """No hooks run between Fabric's clipping and the step: the user's loop calls both."""
 
 
-class MPFabricPrecision(Precision):
+# (precision and the others are read-only views here of attributes Lightning's base declares writable)
+class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
     """lightning_mp's precision for Lightning Fabric: autocast or true-half weights, loss scaling, FP32 guards,
     master weights, and inf/NaN step skipping, with :class:`~lightning_mp.MPPlugin`'s modes and arguments.
 
@@ -123,18 +121,9 @@ class MPFabricPrecision(Precision):
         spike_window: int = DEFAULTS["spike_window"],
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name != "self"}  # (first: the arguments alone)
-        self._settings = settings = MPSettings.from_arguments(**arguments)  # every bad value raises here
+        settings = MPSettings.from_arguments(**arguments)  # every bad value raises here
         _refuse_wrapper_dtypes(settings)
-        skips = settings.skips
-        self._spike = None if skips.spike_sigma is None else SpikeGuard(skips.spike_sigma, skips.spike_window)
-        self._patches = Patches()  # every change to objects we do not own, undone by teardown()
-        self._weights = MasterWeightsSetup(settings.master_weights)
-        self._run = RunPrecision(
-            settings, device=settings.device or ("cuda" if torch.cuda.is_available() else "cpu"),
-            weights=self._weights, patches=self._patches,
-        )  # fmt: skip
-        self.stats = StepStats(self._run.scaler, spike=self._spike)
-        self._steps: Optional[OptimizerSteps] = None
+        self._start(settings)
         self._modules: list[nn.Module] = []  # what fabric.setup converted, in order
         self._container: Optional[nn.Module] = None  # the module, or a ModuleList of several (names, buffers)
         self._optimizers: list[Optimizer] = []  # in the order they joined (their counters' order)
@@ -143,24 +132,6 @@ class MPFabricPrecision(Precision):
         #: a loaded checkpoint's (mode, master weights), applied at the next step: once fabric.load has loaded the
         #: model whatever the order of its state dict, and the optimizers are known
         self._pending: Optional[tuple[Any, Any]] = None
-
-    # ------------------------------------------------------------------ what runs (read-only; as MPPlugin's)
-    mode = property(lambda self: self._run.mode, doc="The precision mode in force (``None`` for auto until set-up).")
-    precision = property(lambda self: self._run.lightning_precision, doc="Lightning's name of the mode.")
-    scaler = property(lambda self: _loss_scaler(self._run.scaler), doc=(
-        "The loss scaler (fp16 modes; ``None`` where the loss is not scaled, as Fabric's plugins)."))
-    device = property(lambda self: self._run.device, doc="The device type the run uses.")
-    masters = property(lambda self: self._weights.masters, doc="The master weights (``None`` before set-up, or none).")
-    requested_precision = property(lambda self: self._run.requested, doc="The precision as asked for (``auto`` kept).")
-    master_weights = property(lambda self: self._weights.kind(self.mode), doc="The master-weights option in force.")
-    settings = property(lambda self: self._settings, doc="What was asked for, checked: :class:`MPSettings`.")
-    fp32_guards = property(lambda self: self.settings.fp32_modules, doc="The FP32 guards (``fp32_modules``, parsed).")
-    fp8_config = property(lambda self: self.settings.fp8, doc="The fp8 settings (``fp8``, an ``FP8Config``).")
-    max_consecutive_skips = property(lambda self: self.settings.skips.max_consecutive_skips)
-    reduce_dtype = property(lambda self: self.settings.distributed.reduce_dtype)
-    fsdp_param_dtype = property(lambda self: self.settings.distributed.fsdp_param_dtype)
-    __repr__ = describe  # MPFabricPrecision('fp16', init_scale=1024.0)
-    compute_dtype = plugin_compute_dtype
 
     # ------------------------------------------------------------------ set-up
     @override

@@ -30,19 +30,17 @@ from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
 from lightning_mp.master import fp32_state_dict_, release_fp32_state_loading
 from lightning_mp.modes import PrecisionMode
-from lightning_mp.options import announce, describe, plugin_compute_dtype
-from lightning_mp.patches import Patches
-from lightning_mp.run_precision import RunPrecision
+from lightning_mp.options import announce
 from lightning_mp.schedulers import SchedulerHold
 from lightning_mp.settings import DEFAULTS, MPSettings
-from lightning_mp.spike import SpikeGuard
-from lightning_mp.stats import StepStats
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.step_hooks import StepHooks
-from lightning_mp.true_half import MasterWeightsSetup, cast_weights_
+from lightning_mp.surface import PrecisionRun
+from lightning_mp.true_half import cast_weights_
 
 
-class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
+# (mode, precision, device and scaler are read-only views here of attributes Lightning's bases declare writable)
+class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type: ignore[misc, override]
     """Mixed-precision training for any LightningModule: autocast, loss scaling, inf/NaN step skipping.
 
     Example::
@@ -112,56 +110,20 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
     ) -> None:
         # not MixedPrecision.__init__: it needs the device up front and knows two modes only
         arguments = {name: value for name, value in locals().items() if name != "self"}  # (first: the arguments alone)
-        self._settings = settings = MPSettings.from_arguments(**arguments)  # every bad value raises here
-        skips = settings.skips
-        self._spike = None if skips.spike_sigma is None else SpikeGuard(skips.spike_sigma, skips.spike_window)
-        self._patches = Patches()  # every change to objects we do not own, undone at teardown (lightning_mp.patches)
-        self._weights = MasterWeightsSetup(settings.master_weights)
-        self._run = RunPrecision(
-            settings, device=settings.device or ("cuda" if torch.cuda.is_available() else "cpu"),
-            weights=self._weights, patches=self._patches,
-        )  # fmt: skip
-        self.stats = StepStats(self._run.scaler, spike=self._spike)
-        self._steps: Optional[OptimizerSteps] = None
+        self._start(MPSettings.from_arguments(**arguments))  # every bad value raises here
         self._hold = SchedulerHold()
         self._comm_hooked: list[Any] = []  # DDP models given a reduce_dtype hook
         self._fsdp_root: Optional[torch.nn.Module] = None  # the root FSDP module
         self._guarded_classes: tuple[type[torch.nn.Module], ...] = ()  # guarded module types
         self._converted: Optional[torch.nn.Module] = None  # the module convert_module saw
 
-    # ------------------------------------------------------------------ the mode (held by RunPrecision)
-    mode = property(lambda self: self._run.mode, doc="The precision mode in force (``None`` for auto until set-up).")
-    precision = property(lambda self: self._run.lightning_precision, doc="Lightning's name of the mode.")
-    scaler = property(lambda self: _loss_scaler(self._run.scaler), doc=(
-        "The loss scaler (fp16 modes; ``None`` where the loss is not scaled, as Lightning's): a"
-        " ``torch.amp.GradScaler`` given is this one. Steps are checked in every mode: see ``skips_nonfinite``."))
-    skips_nonfinite = property(
-        lambda self: self._run.scaler is not None and getattr(self._run.scaler, "is_enabled", lambda: True)(),
-        doc="Whether steps with inf/NaN gradients are skipped (this mode).",
-    )
-    device = property(lambda self: self._run.device, doc="The device type the run uses.")
-    _fp8 = property(lambda self: self._run.fp8)
-    masters = property(lambda self: self._weights.masters, doc="The master weights (``None`` before set-up, or none).")
-    requested_precision = property(lambda self: self._run.requested, doc="The precision as asked for (``auto`` kept).")
-    master_weights = property(lambda self: self._weights.kind(self.mode), doc="The master-weights option in force.")
-    __repr__ = describe  # MPPlugin('fp16', init_scale=1024.0): the mode and the settings that differ from defaults
-    compute_dtype = plugin_compute_dtype  # the dtype matmuls run in (lightning_mp.ThroughputMonitor reads it)
+    @property
+    def _fp8(self) -> Any:
+        return self._run.fp8
 
     def check_precision_switch(self, precision: str) -> None:
         """Raise ``ValueError`` now if :meth:`set_precision` could not switch to ``precision`` during training."""
         self._run.check_switch(precision)
-
-    # ------------------------------------------------------------------ the settings (read-only)
-    settings = property(lambda self: self._settings, doc="What was asked for, checked: :class:`MPSettings`.")
-    fp32_guards = property(lambda self: self.settings.fp32_modules, doc="The FP32 guards (``fp32_modules``, parsed).")
-    fp8_config = property(lambda self: self.settings.fp8, doc="The fp8 settings (``fp8``, an ``FP8Config``).")
-    max_consecutive_skips = property(lambda self: self.settings.skips.max_consecutive_skips)
-    hold_schedulers_on_skip = property(lambda self: self.settings.skips.hold_schedulers_on_skip)
-    release_grads_after_step = property(lambda self: self.settings.skips.release_grads_after_step)
-    spike_sigma = property(lambda self: self.settings.skips.spike_sigma)
-    spike_window = property(lambda self: self.settings.skips.spike_window)
-    reduce_dtype = property(lambda self: self.settings.distributed.reduce_dtype)
-    fsdp_param_dtype = property(lambda self: self.settings.distributed.fsdp_param_dtype)
 
     def set_precision(self, precision: str) -> PrecisionMode:
         """Switch among fp32/tf32/bf16/fp16 between steps (``PrecisionSchedule``); counters and the scale carry over."""
@@ -207,18 +169,20 @@ class MPPlugin(StepHooks, MixedPrecision, FSDPPrecision):
         module = distributed.unwrap_lightning_module(model)
         device = distributed.root_device(module, model)
         self._run.connect(device)
+        mode = self._run.mode
+        assert mode is not None  # (settled by connect)
         announce(self, module)  # rank zero, once per fit: "lightning_mp: using bf16 mixed precision (...) on cuda"
         self.stats.set_scaler(self._run.scaler)
         dtypes = (self.reduce_dtype, self.fsdp_param_dtype)
-        self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=self.mode.fp8)
+        self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=mode.fp8)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         fsdp = self._fsdp_root is not None
-        masters = self._weights.connect(self.mode, module or model, raw, fsdp=fsdp, device=device)
+        masters = self._weights.connect(mode, module or model, raw, fsdp=fsdp, device=device)
         if masters is not None:  # (their state loading keeps fp32 while the run lasts)
             self._patches.add(f"fp32 state loading of {len(raw)} optimizers", lambda: release_fp32_state_loading(raw))
         self._steps = OptimizerSteps(
             self._run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
-            saturation=self._fp8.sentinel.take if self._fp8 is not None and self.mode.fp8 else None,
+            saturation=self._fp8.sentinel.take if self._fp8 is not None and mode.fp8 else None,
             spike=self._spike, release_grads=self.release_grads_after_step and module is not None
             and not is_overridden("optimizer_zero_grad", module, LightningModule),
         )  # fmt: skip

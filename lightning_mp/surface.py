@@ -1,0 +1,142 @@
+"""What a lightning_mp precision plugin holds and shows, written once for the Trainer's and Fabric's plugins
+(:class:`~lightning_mp.MPPlugin`, :class:`~lightning_mp.MPFabricPrecision`): the checked settings, the mode in
+force, its scaler, the master weights, the step counters, and the read-only view of them users (and their type
+checkers) see.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lightning_mp.fp8 import FP8Config
+from lightning_mp.guards import FP32GuardSpec
+from lightning_mp.master import MasterWeights
+from lightning_mp.modes import PrecisionMode
+from lightning_mp.options import describe, plugin_compute_dtype
+from lightning_mp.patches import Patches
+from lightning_mp.run_precision import RunPrecision
+from lightning_mp.settings import MPSettings
+from lightning_mp.spike import SpikeGuard
+from lightning_mp.stats import StepStats
+from lightning_mp.step import OptimizerSteps
+from lightning_mp.true_half import MasterWeightsSetup
+
+
+class PrecisionRun:
+    """The state of a lightning_mp plugin and its typed, read-only view (a base of both plugins).
+
+    Example::
+
+        plugin = MPPlugin("fp16", init_scale=1024.0)
+        plugin.mode.name, plugin.settings.scale.init_scale, plugin.stats.skipped_steps
+    """
+
+    def _start(self, settings: MPSettings) -> None:
+        """Hold ``settings`` (checked) and what runs from them; called by the plugin's constructor."""
+        self._settings = settings
+        skips = settings.skips
+        self._spike = None if skips.spike_sigma is None else SpikeGuard(skips.spike_sigma, skips.spike_window)
+        self._patches = Patches()  # every change to objects we do not own, undone at teardown (lightning_mp.patches)
+        self._weights = MasterWeightsSetup(settings.master_weights)
+        self._run = RunPrecision(
+            settings, device=settings.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+            weights=self._weights, patches=self._patches,
+        )  # fmt: skip
+        #: the step counters: steps, skipped steps, the loss scale, ... (as long as the plugin lives)
+        self.stats = StepStats(self._run.scaler, spike=self._spike)
+        self._steps: Optional[OptimizerSteps] = None
+
+    # ------------------------------------------------------------------ what runs
+    @property
+    def mode(self) -> Optional[PrecisionMode]:
+        """The precision mode in force (``None`` for ``auto`` until set-up)."""
+        return self._run.mode
+
+    @property
+    def precision(self) -> str:
+        """Lightning's name of the mode in force (``"bf16-mixed"``, ``"16-true"``, ...)."""
+        return self._run.lightning_precision
+
+    @property
+    def scaler(self) -> Optional[torch.amp.GradScaler]:
+        """The loss scaler (fp16 modes; ``None`` where the loss is not scaled, as Lightning's plugins): a
+        ``torch.amp.GradScaler`` given is this one. Steps are checked in every mode: see :attr:`skips_nonfinite`."""
+        scaler = self._run.scaler
+        if scaler is None or not scaler.scaling:
+            return None
+        return getattr(scaler, "twin", None) or scaler  # type: ignore[return-value]
+
+    @property
+    def skips_nonfinite(self) -> bool:
+        """Whether steps with inf/NaN gradients are skipped (in the mode in force)."""
+        scaler = self._run.scaler
+        return scaler is not None and scaler.is_enabled()
+
+    @property
+    def device(self) -> str:
+        """The device type the run uses (``"cuda"``, ``"cpu"``)."""
+        return self._run.device
+
+    @property
+    def masters(self) -> Optional[MasterWeights]:
+        """The master weights (``None`` before set-up, or where there are none)."""
+        return self._weights.masters
+
+    @property
+    def requested_precision(self) -> str:
+        """The precision as asked for (``"auto"`` kept)."""
+        return self._run.requested
+
+    @property
+    def master_weights(self) -> Optional[str]:
+        """The master-weights option in force (``None`` outside true-half modes)."""
+        return self._weights.kind(self.mode)
+
+    # ------------------------------------------------------------------ the settings (read-only)
+    @property
+    def settings(self) -> MPSettings:
+        """What was asked for, checked: :class:`~lightning_mp.settings.MPSettings`."""
+        return self._settings
+
+    @property
+    def fp32_guards(self) -> FP32GuardSpec:
+        """The FP32 guards (``fp32_modules``, parsed)."""
+        return self._settings.fp32_modules
+
+    @property
+    def fp8_config(self) -> FP8Config:
+        """The fp8 settings (``fp8``)."""
+        return self._settings.fp8
+
+    @property
+    def max_consecutive_skips(self) -> Optional[int]:
+        return self._settings.skips.max_consecutive_skips
+
+    @property
+    def hold_schedulers_on_skip(self) -> bool:
+        return self._settings.skips.hold_schedulers_on_skip
+
+    @property
+    def release_grads_after_step(self) -> bool:
+        return self._settings.skips.release_grads_after_step
+
+    @property
+    def spike_sigma(self) -> Optional[float]:
+        return self._settings.skips.spike_sigma
+
+    @property
+    def spike_window(self) -> int:
+        return self._settings.skips.spike_window
+
+    @property
+    def reduce_dtype(self) -> Optional[str]:
+        return self._settings.distributed.reduce_dtype
+
+    @property
+    def fsdp_param_dtype(self) -> Optional[str]:
+        return self._settings.distributed.fsdp_param_dtype
+
+    __repr__ = describe  # MPPlugin('fp16', init_scale=1024.0): the mode and the settings that differ from defaults
+    compute_dtype = plugin_compute_dtype  # the dtype matmuls run in (lightning_mp.ThroughputMonitor reads it)
