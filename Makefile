@@ -20,7 +20,7 @@ TORCH_REQUEST := $(TORCH_SPEC)$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX
 # beyond ours come with it
 LITGPT_SPECS ?= litgpt==0.5.13 safetensors>=0.4.3 psutil==7.2.2
 
-.PHONY: setup compare demo test test-fast test-min test-gpu lint docs dist clean FORCE
+.PHONY: setup compare demo test test-fast test-min test-gpu test-differential lint docs dist clean FORCE
 
 setup: $(STAMP)
 
@@ -74,6 +74,12 @@ test-fast: $(STAMP)
 
 test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu tests/gpu
+
+# the differential tests (tests/differential: small Lightning programs drawn by Hypothesis, each against its oracle)
+# at ten times the budget `make test` gives them (DIFFERENTIAL_EXAMPLES programs per test, 10 there)
+DIFFERENTIAL_EXAMPLES ?= 100
+test-differential: $(STAMP)
+	DIFFERENTIAL_EXAMPLES=$(DIFFERENTIAL_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/differential
 
 # ruff with pyproject.toml's [tool.ruff] settings (line length 120, as setup.cfg's flake8 section), then mypy with
 # its [tool.mypy] settings (the package, lightning_mp/)
