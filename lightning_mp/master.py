@@ -58,7 +58,7 @@ import contextlib
 import operator
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union, cast
 
@@ -78,9 +78,9 @@ _DTYPE_NAMES: dict[Optional[torch.dtype], str] = {
 #: the stochastic-rounding generator's seed: the same on every rank, so data-parallel replicas round alike
 STOCHASTIC_ROUNDING_SEED = 0x5EED
 
-#: up to this many half parameter elements in one optimizer's planned layout, its fp32 gradients live in one flat
-#: buffer kept from step to step (views of it, made once, are the stand-ins' gradients): no allocation a gradient
-#: a step, and the inf/NaN check reads one tensor. A host cost that counts on small, launch-bound models; above this
+#: up to this many half parameter elements in one optimizer's layout, the fp32 masters' gradients live in one flat
+#: buffer kept from step to step (views of it, made once, are the masters' gradients): no allocation a gradient a
+#: step, and the inf/NaN check reads one tensor. A host cost that counts on small, launch-bound models; above this
 #: size (256 MB of fp32 gradients) the buffer would raise the peak of forward and backward by 4 bytes a parameter, so
 #: the gradients are allocated in the step and freed after it, as before
 FLAT_GRADS_MAX_NUMEL = 1 << 26
@@ -354,16 +354,17 @@ class StepRecords:
     """The half parameters of one optimizer in one step (see :meth:`MasterWeights.gather`)."""
 
     optimizer: Optimizer
-    records: list[StepRecord] = field(default_factory=list)
+    #: the layout's records (the same list step after step), or those of the parameters the step takes
+    records: list[StepRecord]
+    #: the optimizer's :class:`_Layout`, which the records come from
+    layout: "_Layout"
     #: with ``gather(check=True)``: 1.0 if a gradient the step would apply holds an inf/NaN (``None``: not checked)
     found: Optional[Tensor] = None
-    #: the optimizer's :class:`_Layout` where the step took the planned path (``FP32MasterWeights``)
-    layout: Optional["_Layout"] = None
-    #: the planned path's half gradients and their versions at the gather: the records' ``grad_seen``, filled only
-    #: where something reads them (:meth:`seen`: hooks that may write the gradients)
+    #: the records' half gradients and their versions at the gather: their ``grad_seen``, filled only where something
+    #: reads them (:meth:`seen`: hooks that may write the gradients)
     unseen: Optional[tuple[list[Optional[Tensor]], list[Optional[int]]]] = None
     #: how the stand-ins stand in (:meth:`MasterWeights.swap_in`): ``""`` not, ``"items"`` record by record,
-    #: ``"lists"`` the planned layout's whole lists and state dicts
+    #: ``"lists"`` the layout's whole lists and state dicts
     swap: str = ""
 
     def seen(self) -> list[StepRecord]:
@@ -375,6 +376,43 @@ class StepRecords:
             self.unseen = None
         return self.records
 
+    def swap_in(self) -> None:
+        """The stand-ins take the parameters' places, with their optimizer state: the layout's whole lists and state
+        dict where the step takes every parameter, else record by record."""
+        if self.swap:
+            return
+        if self.records is self.layout.records and self.layout.swap_in(self.optimizer):
+            self.swap = "lists"
+            return
+        for r in self.records:
+            r.group[r.index] = r.standin
+        for state in _states_of(self.optimizer):
+            if state:  # (empty before the optimizer's first step)
+                pop = state.pop
+                for r in self.records:
+                    moved = pop(r.param, None)  # (no entry made: the state is a defaultdict)
+                    if moved is not None:
+                        state[r.standin] = moved
+        self.swap = "items"
+
+    def swap_out(self) -> None:
+        if not self.swap:
+            return
+        if self.swap == "lists":
+            self.layout.swap_out(self.optimizer)
+            self.swap = ""
+            return
+        for r in self.records:
+            r.group[r.index] = r.param
+        for state in _states_of(self.optimizer):
+            if state:
+                pop = state.pop
+                for r in self.records:
+                    moved = pop(r.standin, None)
+                    if moved is not None:
+                        state[r.param] = moved
+        self.swap = ""
+
 
 class MasterWeights:
     """What keeps the precision of updates to half-precision parameters (see the module docstring).
@@ -382,10 +420,15 @@ class MasterWeights:
     Subclasses: :class:`FP32MasterWeights`, :class:`KahanCompensation`, :class:`StochasticRounding`. One step:
     :meth:`gather` (fp32 gradients on fp32 stand-ins), unscaling/checks/clipping on the stand-ins,
     :meth:`stepping` (the stand-ins take the parameters' places while the optimizer steps), :meth:`write_back`.
-    :meth:`step` does all of it for a plain loop.
+    :meth:`step` does all of it for a plain loop. The kinds share the step and differ in their stand-ins
+    (:meth:`_standin`, :meth:`_refresh`: the fp32 masters themselves, or fp32 values made for the step) and in how
+    the weights are written (:meth:`_write_step`, :meth:`_end_step`).
     """
 
     kind: str = ""
+    #: whether the stand-ins are what the kind holds (the fp32 masters), with their values kept between steps: then
+    #: every step takes every half parameter of the optimizer (one without a gradient stands in unmoved)
+    _standins_held = False
 
     def __init__(self) -> None:
         self._entries: dict[int, _Entry] = {}  # id(half param) -> entry
@@ -397,6 +440,20 @@ class MasterWeights:
         self._generation = 0
         #: whether fp32 sums of earlier micro-batches may be pending (``carry_grads_``)
         self._carrying = False
+        #: optimizer -> its :class:`_Layout` (made at its first step; again when stale)
+        self._layouts: "weakref.WeakKeyDictionary[Optimizer, _Layout]" = weakref.WeakKeyDictionary()
+        self._flags = ZeroFlags()  # the gather's verdict flags (``check=True``)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # layouts are made again at the next step (they are keyed weakly by optimizer, which pickle cannot carry)
+        state = dict(self.__dict__)
+        state["_layouts"], state["_flags"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._layouts = weakref.WeakKeyDictionary()
+        self._flags = ZeroFlags()
 
     # ------------------------------------------------------------------ set-up
     def attach(self, optimizer: Optimizer, module: Optional[nn.Module] = None) -> int:
@@ -504,6 +561,7 @@ class MasterWeights:
                 if held is not None and held.device != device:
                     held.data = held.data.to(device)  # (the same object: a master is a Parameter)
         self.drop_sums()
+        self._layouts = weakref.WeakKeyDictionary()  # (their stand-ins, aliases and flat buffers stay where they were)
 
     def pending_sums(self) -> list[Tensor]:
         """The fp32 sums carried so far (to be reduced across ranks under DDP's ``no_sync``)."""
@@ -517,70 +575,59 @@ class MasterWeights:
 
         The half gradients stay where they are (hooks read them); the fp32 gradient is the half one plus any
         sum carried from earlier micro-batches. Masters are made for parameters that joined since the last step
-        and derived again where the parameter was written from outside. ``check``: also find inf/NaN in every
-        gradient the step would apply (the fp32 ones and those of fp32 parameters) into ``found``, in the same
-        pass (not for sparse gradients, DTensors or several devices: ``found`` stays ``None``).
+        and follow the weights where those were written from outside. ``check``: also find inf/NaN in every
+        gradient the step would apply (the fp32 ones and those of the other parameters) into ``found``, in one
+        multi-tensor kernel (not for sparse gradients, tensor subclasses or several devices: ``found`` stays
+        ``None``).
+
+        One routine for every kind and case, on the optimizer's :class:`_Layout` (made once, while it fits): in the
+        common case (dense gradients, no sums pending) a handful of passes over lists in C and one multi-tensor copy,
+        no Python a parameter; else the fp32 gradients are taken record by record (:meth:`_Layout.record_grads`).
         """
-        out = StepRecords(optimizer)
-        standins: dict[int, Tensor] = {}
-        self._stepping[id(optimizer)] = standins
-        dst: list[Tensor] = []  # fp32 gradients to fill from half ones, in one multi-tensor copy
-        src: list[Tensor] = []
-        checked: dict[torch.dtype, list[Tensor]] = {}  # what the step applies, for check=True
-        numel = 0
+        layout = self._layout(optimizer)
+        grads = list(map(_GRAD, layout.half))
+        dense = not self._carrying and _all_dense(grads)
+        picked = None if dense or every or self._standins_held else layout.picked(grads)
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                params = group["params"]
-                for i, param in enumerate(params):
-                    if not (isinstance(param, Tensor) and param.dtype in _HALF):
-                        grad = getattr(param, "grad", None)
-                        if check and grad is not None:
-                            if type(grad) is not Tensor or grad.is_sparse:
-                                check = False
-                            else:
-                                checked.setdefault(grad.dtype, []).append(grad)
-                                numel += grad.numel()
-                        continue
-                    entry = self._entry(param)
-                    grad = param.grad
-                    if grad is None and entry.acc is None and not every:
-                        continue
-                    self._resync([entry])
-                    standin = self._standin(entry)
-                    if grad is None:
-                        g32 = entry.acc  # (None with ``every``: no gradient yet)
-                    elif entry.acc is None:
-                        if grad.is_sparse or grad.layout is not torch.strided:
-                            g32 = grad.to(torch.float32)
-                        else:
-                            g32 = torch.empty_like(grad, dtype=torch.float32)
-                            dst.append(g32)
-                            src.append(grad)
-                    else:
-                        g32 = entry.acc.add_(grad)
-                    entry.acc = None
-                    standin.grad = g32
-                    out.records.append(StepRecord(params, i, param, standin, _grad_stamp(param)))
-                    standins[id(standin)] = param
-                    if check:
-                        if type(g32) is not Tensor or g32.is_sparse:
-                            check = False
-                        else:
-                            checked.setdefault(torch.float32, []).append(g32)
-                            numel += g32.numel()
-            if dst:
-                torch._foreach_copy_(dst, src)
+            layout.follow_requires_grad()
+            self._refresh(layout, picked)
+            g32 = layout.dense_grads(grads) if dense else layout.record_grads(grads, picked)
         if self._carrying:
             self._carrying = any(e.acc is not None for e in self._entries.values())
-        if check and checked:
-            devices = {t.device for tensors in checked.values() for t in tensors}
-            if len(devices) == 1:
-                out.found = torch.zeros((), dtype=torch.float32, device=devices.pop())
-                check_tensors_(checked, numel, out.found)
+        self._stepping[id(optimizer)] = layout.param_of
+        out = layout.step_records(optimizer, grads, picked, dense)
+        if check:
+            out.found = layout.check(g32, dense, self._flags)
         return out
 
+    def _layout(self, optimizer: Optimizer) -> "_Layout":
+        """``optimizer``'s layout, made again where it no longer fits (a param group or parameter added or replaced,
+        an entry made or dropped, a parameter's storage replaced)."""
+        layout = self._layouts.get(optimizer)
+        if layout is None or not layout.current(optimizer, self._generation):
+            layout = _Layout.build(optimizer, self._entry, self._standin)
+            layout.generation = self._generation  # (entries it made moved the generation)
+            self._made(layout)
+            self._layouts[optimizer] = layout
+        return layout
+
     def _standin(self, entry: _Entry) -> nn.Parameter:
-        return nn.Parameter(self._fp32_value(entry), requires_grad=entry.param.requires_grad)
+        """``entry``'s fp32 stand-in, made with the layout. Here it holds no value between steps: each gather gives
+        it the fp32 value (:meth:`_refresh`), the write-back takes it away (these kinds keep no fp32 copy)."""
+        return nn.Parameter(torch.empty(0, dtype=torch.float32, device=entry.param.device),
+                            requires_grad=entry.param.requires_grad)
+
+    def _made(self, layout: "_Layout") -> None:
+        """What a kind adds to a new layout (nothing where the stand-ins keep no value between steps)."""
+
+    def _refresh(self, layout: "_Layout", picked: Optional[list[int]]) -> None:
+        """The stand-ins of the parameters the step takes (``picked``; ``None``: all) get their values: what is held
+        follows the weights (:meth:`_resync`), then each stand-in takes its fp32 value (:meth:`_fp32_value`)."""
+        entries = layout.entries if picked is None else [layout.entries[i] for i in picked]
+        standins = layout.standins if picked is None else [layout.standins[i] for i in picked]
+        self._resync(entries)
+        for standin, entry in zip(standins, entries):
+            standin.data = self._fp32_value(entry)
 
     @staticmethod
     def expose(records: StepRecords) -> None:
@@ -617,42 +664,12 @@ class MasterWeights:
     @staticmethod
     def swap_in(records: StepRecords) -> None:
         """The fp32 stand-ins take the parameters' places in the param groups, with their optimizer state."""
-        if records.swap:
-            return
-        layout = records.layout
-        if layout is not None and layout.swap_in(records.optimizer):
-            records.swap = "lists"
-            return
-        for r in records.records:
-            r.group[r.index] = r.standin
-        for state in _states_of(records.optimizer):
-            if state:  # (empty before the optimizer's first step)
-                pop = state.pop
-                for r in records.records:
-                    moved = pop(r.param, None)  # (no entry made: the state is a defaultdict)
-                    if moved is not None:
-                        state[r.standin] = moved
-        records.swap = "items"
+        records.swap_in()
 
     @staticmethod
     def swap_out(records: StepRecords) -> None:
         """The parameters get their places and their optimizer state back."""
-        if not records.swap:
-            return
-        if records.swap == "lists":
-            cast(_Layout, records.layout).swap_out(records.optimizer)
-            records.swap = ""
-            return
-        for r in records.records:
-            r.group[r.index] = r.param
-        for state in _states_of(records.optimizer):
-            if state:
-                pop = state.pop
-                for r in records.records:
-                    moved = pop(r.standin, None)
-                    if moved is not None:
-                        state[r.param] = moved
-        records.swap = ""
+        records.swap_out()
 
     @contextlib.contextmanager
     def stepping(self, records: StepRecords) -> Iterator[None]:
@@ -670,19 +687,30 @@ class MasterWeights:
             skipped: ``True``/``False`` when known on the host; ``None`` when only the device knows (fused
                 optimizers): then ``found_inf`` (non-zero: skipped) decides on the device.
         """
-        todo = [r for r in records.records if r.standin.grad is not None]
-        if skipped is not True and todo:
+        if skipped is not True:
             with torch.no_grad():
-                self._write(todo, None if skipped is False else found_inf)
+                self._write_step(records, None if skipped is False else found_inf)
+        self._end_step(records)
         self._stepping.pop(id(records.optimizer), None)
-        for r in records.records:
-            r.standin.grad = None
-            entry = self._entries.get(id(r.param))
-            if entry is not None:
-                entry.stamp = stamp(r.param)
+
+    def _write_step(self, records: StepRecords, skip_flag: Optional[Tensor]) -> None:
+        todo = [r for r in records.records if r.standin.grad is not None]
+        if todo:
+            self._write(todo, skip_flag)
 
     def _write(self, records: list[StepRecord], skip_flag: Optional[Tensor]) -> None:
         raise NotImplementedError
+
+    def _end_step(self, records: StepRecords) -> None:
+        """After the write-back: the stand-ins' gradients and values go (these kinds keep no fp32 copy between
+        steps); the parameters' stamps are taken again (the write bumped their versions)."""
+        for r in records.records:
+            standin = r.standin
+            standin.grad = None
+            standin.data = torch.empty(0, dtype=torch.float32, device=standin.device)
+            entry = self._entries.get(id(r.param))
+            if entry is not None:
+                entry.stamp = stamp(r.param)
 
     def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> Any:
         """One step of a plain training loop: :meth:`gather`, the optimizer's step on the stand-ins, write back."""
@@ -753,33 +781,33 @@ class MasterWeights:
         """
         return 0
 
-    def _check_names(self, saved: Any, what: str) -> dict[str, Tensor]:
-        if not isinstance(saved, dict):
-            raise ValueError(
-                f"master-weights state: '{what}' is a {type(saved).__name__}, not a dict: it is corrupted."
-            )
-        params = self.named_params()
-        unknown = sorted(set(saved) - set(params))
-        if unknown:
-            raise ValueError(
-                f"master-weights state does not fit this model: {what} for unknown parameters {unknown[:5]}"
-                f"{' ...' if len(unknown) > 5 else ''}."
-                " The checkpoint was written for another model or optimizer set-up."
-            )
-        for name, tensor in saved.items():
-            if not isinstance(tensor, Tensor) or tensor.shape != params[name].shape:
-                got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
-                raise ValueError(
-                    f"master-weights state: {what} of {name!r} is {got}, the parameter is {tuple(params[name].shape)}."
-                )
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                raise ValueError(
-                    f"master-weights state: {what} of {name!r} holds inf/NaN: the checkpoint is corrupted."
-                )
-        return params
-
     def _entry_by_name(self) -> dict[str, _Entry]:
         return {self._name(pid): e for pid, e in self._entries.items()}
+
+
+def _check_names(params: dict[str, Tensor], saved: Any, what: str) -> None:
+    """A checkpoint's per-parameter tensors (``saved``, its part ``what``) against the model's ``params`` by name."""
+    if not isinstance(saved, dict):
+        raise ValueError(
+            f"master-weights state: '{what}' is a {type(saved).__name__}, not a dict: it is corrupted."
+        )
+    unknown = sorted(set(saved) - set(params))
+    if unknown:
+        raise ValueError(
+            f"master-weights state does not fit this model: {what} for unknown parameters {unknown[:5]}"
+            f"{' ...' if len(unknown) > 5 else ''}."
+            " The checkpoint was written for another model or optimizer set-up."
+        )
+    for name, tensor in saved.items():
+        if not isinstance(tensor, Tensor) or tensor.shape != params[name].shape:
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(
+                f"master-weights state: {what} of {name!r} is {got}, the parameter is {tuple(params[name].shape)}."
+            )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"master-weights state: {what} of {name!r} holds inf/NaN: the checkpoint is corrupted."
+            )
 
 
 def _upcast_eager_state(optimizer: Optimizer) -> None:
@@ -925,10 +953,10 @@ def _hook_fp32_load(optimizer: Optimizer) -> tuple[Any, Any]:
 
 class _StateMirror:
     """An optimizer's state keyed by the fp32 stand-ins, beside its own (keyed by the parameters): the same
-    per-parameter state dicts under the other keys. A planned step swaps the optimizer's ``state`` for it and back
-    (two attribute writes) where a swap key by key would hash every parameter twice a step; either dict is made again
-    from the other where something changed it (the first step's new entries, a loaded state, an entry replaced or
-    removed)."""
+    per-parameter state dicts under the other keys. A step that takes every parameter of the optimizer's layout swaps
+    the optimizer's ``state`` for it and back (two attribute writes) where a swap key by key would hash every
+    parameter twice a step; either dict is made again from the other where something changed it (the first step's new
+    entries, a loaded state, an entry replaced or removed)."""
 
     def __init__(self, standin_of: dict[int, Tensor], param_of: dict[int, Tensor]) -> None:
         self._standin_of, self._param_of = standin_of, param_of
@@ -973,33 +1001,43 @@ def _rekeyed(into: defaultdict, state: dict, keys: dict[int, Tensor]) -> default
 _VERSION = operator.attrgetter("_version")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _LAYOUT = operator.attrgetter("layout")
-_DENSE_TYPES, _DENSE_OR_NONE, _STRIDED = {Tensor}, {Tensor, type(None)}, {torch.strided}
+_DENSE_TYPES, _STRIDED, _PLAIN = {Tensor}, {torch.strided}, (Tensor, nn.Parameter)
+
+
+def _all_dense(grads: list[Optional[Tensor]]) -> bool:
+    """Whether every gradient is a plain dense tensor (two passes in C: the common case of a step)."""
+    return set(map(type, grads)) == _DENSE_TYPES and set(map(_LAYOUT, grads)) == _STRIDED
 
 
 @dataclass
 class _Layout:
-    """One optimizer's half parameters as the planned step takes them (made once, kept while the parameter set, the
-    entries and the parameters' storages stay): in param-group order, with their entries, their step records (reused
-    step after step), aliases of the weights and masters for the write-back, and each param group's list with the
-    stand-ins in the half parameters' places."""
+    """One optimizer's half parameters as :meth:`MasterWeights.gather` takes them, made at its first step and kept
+    while the parameter set, the entries and the parameters' storages stay: in param-group order, with their
+    entries, their fp32 stand-ins and step records (both reused step after step), each param group's list with the
+    stand-ins in the half parameters' places, and the state mirror. Where the stand-ins are the fp32 masters
+    (:class:`FP32MasterWeights`) also aliases of the weights and masters for the write-back and, in small layouts,
+    flat buffers (:meth:`flatten`)."""
 
     half: list[Tensor]
     entries: list[_Entry]
     records: list[StepRecord]
+    standins: list[nn.Parameter]  # the records' stand-ins, in the order of ``half``
+    param_of: dict[int, Tensor]  # id(stand-in) -> half param
     others: list[Tensor]  # the optimizer's other parameters: their gradients join the check
-    total: int  # their elements
-    device: torch.device
-    ptrs: list[int]  # the half parameters' storages when made
-    dst: list[Tensor]  # ``param.data`` aliases: written without a version bump, as before
-    src: list[Tensor]  # the masters' ``.data``
-    standins: dict[int, Tensor]  # id(master) -> half param
-    masters: list[nn.Parameter]  # the stand-ins, in the order of ``half``
     #: each param group's params list, a copy of it, and the same with the stand-ins in the half parameters' places
     groups: list[tuple[list, list, list]]
     mirror: _StateMirror
     #: whether the optimizer wraps others (SAM's ``base_optimizer``): their state follows key by key
     wraps: bool
+    device: Optional[torch.device]  # the half parameters' one device (``None``: several, or none)
+    total: int  # their elements
+    #: their storages when made, where every one is a plain strided tensor (``None``: not; no aliases, no flat buffers)
+    ptrs: Optional[list[int]]
+    generation: int = -1  # the masters' generation of entries it was made for
     requires_grad: list[bool] = field(default_factory=list)  # the stand-ins' flags, as last set
+    #: the write-back's aliases (:meth:`alias`): the weights' ``.data`` (written without a version bump), the masters'
+    dst: Optional[list[Tensor]] = None
+    src: Optional[list[Tensor]] = None
     #: small layouts (:data:`FLAT_GRADS_MAX_NUMEL`): the fp32 gradients' flat buffer and its views, one a parameter
     #: (kept on the masters as their ``.grad`` from step to step)
     flat: Optional[Tensor] = None
@@ -1007,6 +1045,42 @@ class _Layout:
     #: with ``flat``: the masters' own flat buffer (their ``.data`` are views of it), and the weights as flat views
     mflat: Optional[Tensor] = None
     flat_half: Optional[list[Tensor]] = None
+
+    @classmethod
+    def build(
+        cls, optimizer: Optimizer, entry_of: Callable[[Tensor], _Entry], standin_of: Callable[[_Entry], nn.Parameter]
+    ) -> "_Layout":
+        """The layout of ``optimizer``'s param groups now: each half parameter's entry and stand-in, as given."""
+        half, entries, records, others, groups = [], [], [], [], []
+        for group in optimizer.param_groups:
+            params = group["params"]
+            stepped = list(params)
+            for i, param in enumerate(params):
+                if not (isinstance(param, Tensor) and param.dtype in _HALF):
+                    others.append(param)
+                    continue
+                entry = entry_of(param)
+                standin = stepped[i] = standin_of(entry)
+                half.append(param)
+                entries.append(entry)
+                records.append(StepRecord(params, i, param, standin))
+            groups.append((params, list(params), stepped))
+        standins = [r.standin for r in records]
+        param_of = {id(s): p for s, p in zip(standins, half)}
+        devices = {p.device for p in half}
+        plain = all(type(p) in _PLAIN and p.layout is torch.strided for p in half)
+        return cls(
+            half=half, entries=entries, records=records, standins=standins, param_of=param_of, others=others,
+            groups=groups, mirror=_StateMirror({id(p): s for p, s in zip(half, standins)}, param_of),
+            wraps=bool(wrapped_optimizers(optimizer)), device=devices.pop() if len(devices) == 1 else None,
+            total=sum(p.numel() for p in half), ptrs=[p.data_ptr() for p in half] if plain else None,
+        )
+
+    def current(self, optimizer: Optimizer, generation: int) -> bool:
+        """Whether the layout still fits: the same entries, param group lists and parameters, and storages."""
+        return self.generation == generation and self.fits(optimizer) and (
+            self.ptrs is None or list(map(Tensor.data_ptr, self.half)) == self.ptrs
+        )
 
     def fits(self, optimizer: Optimizer) -> bool:
         """Whether ``optimizer``'s param groups still hold the lists and parameters this layout was made for."""
@@ -1017,6 +1091,136 @@ class _Layout:
             if group["params"] is not params or len(params) != len(own) or not all(map(operator.is_, params, own)):
                 return False
         return True
+
+    def flatten(self) -> None:
+        """Small layouts (:data:`FLAT_GRADS_MAX_NUMEL`) of contiguous parameters on one device: the fp32 gradients in
+        one flat buffer kept from step to step (views of it, made once, are the stand-ins' gradients: no allocation a
+        step, and the check reads one tensor), and the stand-ins' values in another (their ``.data`` become views of
+        it: following the weights is four kernels for all of them). For stand-ins that keep their values between
+        steps (the fp32 masters): the kinds that keep no fp32 copy keep no fp32 gradients either."""
+        half, device = self.half, self.device
+        if (self.ptrs is None or device is None or self.total > FLAT_GRADS_MAX_NUMEL
+                or not all(p.is_contiguous() for p in half)):  # (a view is contiguous)
+            return
+        sizes = [p.numel() for p in half]
+        self.flat = torch.empty(self.total, dtype=torch.float32, device=device)
+        self.views = [v.view(p.shape) for v, p in zip(self.flat.split(sizes), half)]
+        if any(s.device != device for s in self.standins):
+            return  # a master on another device: no flat masters
+        mflat = torch.empty(self.total, dtype=torch.float32, device=device)
+        with torch.no_grad():
+            for standin, piece, p in zip(self.standins, mflat.split(sizes), half):
+                piece = piece.view(p.shape)
+                piece.copy_(standin.detach())
+                standin.data = piece  # (the same Parameter objects)
+        self.mflat, self.flat_half = mflat, [p.detach().view(-1) for p in half]
+
+    def alias(self) -> None:
+        """The write-back's aliases, where the storages are watched (:attr:`ptrs`): taken after :meth:`flatten`,
+        which moves the stand-ins' values."""
+        if self.ptrs is not None:
+            self.dst, self.src = [p.data for p in self.half], [s.data for s in self.standins]
+
+    # ------------------------------------------------------------------ a step
+    def follow_requires_grad(self) -> None:
+        """The stand-ins' ``requires_grad`` as the parameters' (frozen and unfrozen layers)."""
+        requires_grad = list(map(_REQUIRES_GRAD, self.half))
+        if requires_grad != self.requires_grad:
+            for standin, flag in zip(self.standins, requires_grad):
+                standin.requires_grad_(flag)
+            self.requires_grad = requires_grad
+
+    def picked(self, grads: list[Optional[Tensor]]) -> Optional[list[int]]:
+        """The half parameters a step takes: those with a gradient or an fp32 sum (``None``: all of them)."""
+        entries = self.entries
+        picked = [i for i, grad in enumerate(grads) if grad is not None or entries[i].acc is not None]
+        return None if len(picked) == len(grads) else picked
+
+    def dense_grads(self, grads: list[Tensor]) -> list[Tensor]:
+        """The common case's fp32 gradients: every half gradient dense, no sums pending. One multi-tensor copy into
+        the flat buffer's views (small layouts; they stay on the stand-ins from step to step), else into gradients
+        allocated for the step (freed after it)."""
+        views = self.views
+        g32 = views if views is not None else [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
+        torch._foreach_copy_(g32, grads)
+        if views is None or not all(map(operator.is_, map(_GRAD, self.standins), g32)):
+            for standin, g in zip(self.standins, g32):
+                standin.grad = g
+        return g32
+
+    def record_grads(self, grads: list[Optional[Tensor]], picked: Optional[list[int]]) -> list[Optional[Tensor]]:
+        """The fp32 gradients record by record, where the common case does not hold (``picked``: the records the
+        step takes; ``None``: all): a parameter without a gradient has its fp32 sum or none, a sum of earlier
+        micro-batches takes the half gradient, a sparse gradient is cast; the dense ones in one multi-tensor copy."""
+        views, dst, src, out = self.views, [], [], []
+        for i in range(len(grads)) if picked is None else picked:
+            entry, grad = self.entries[i], grads[i]
+            acc, entry.acc = entry.acc, None
+            if grad is None:
+                g32 = acc  # (None: no gradient (yet))
+            elif acc is not None:
+                g32 = acc.add_(grad)
+            elif grad.is_sparse or grad.layout is not torch.strided:
+                g32 = grad.to(torch.float32)
+            else:
+                g32 = views[i] if views is not None and type(grad) is Tensor else torch.empty_like(
+                    grad, dtype=torch.float32
+                )
+                dst.append(g32)
+                src.append(grad)
+            self.standins[i].grad = g32
+            out.append(g32)
+        if dst:
+            torch._foreach_copy_(dst, src)
+        return out
+
+    def step_records(
+        self, optimizer: Optimizer, grads: list[Optional[Tensor]], picked: Optional[list[int]], dense: bool
+    ) -> StepRecords:
+        """The step's records (the layout's own list where the step takes every parameter), with the half gradients'
+        versions for ``grad_seen``."""
+        records = self.records
+        if picked is not None:
+            records, grads = [records[i] for i in picked], [grads[i] for i in picked]
+        versions = list(map(_VERSION, grads)) if dense else [None if g is None else g._version for g in grads]
+        return StepRecords(optimizer, records, self, unseen=(grads, versions))
+
+    def check(self, g32: Sequence[Optional[Tensor]], dense: bool, flags: ZeroFlags) -> Optional[Tensor]:
+        """1.0 where a gradient the step would apply (``g32`` and the other parameters') holds an inf/NaN, in one
+        multi-tensor kernel; ``None`` where that is not possible here (a sparse gradient or one of a tensor subclass,
+        several devices): the step checks them itself."""
+        if dense:
+            checked = [self.flat] if self.flat is not None else cast(list[Tensor], list(g32))
+            numel = self.total
+        else:
+            checked = [g for g in g32 if g is not None]
+            if any(type(g) is not Tensor or g.is_sparse for g in checked):
+                return None
+            numel = sum(g.numel() for g in checked)
+        if self.device is None and self.half:
+            return None  # several devices
+        others = self._other_grads()
+        if others is None:
+            return None
+        per_dtype = {torch.float32: checked} if checked else {}
+        for grad in others:
+            per_dtype.setdefault(grad.dtype, []).append(grad)
+            numel += grad.numel()
+        device = self.device if self.device is not None else others[0].device if others else None
+        if device is None or not per_dtype:
+            return None  # no gradient at all
+        found = flags.take(device)
+        check_tensors_(per_dtype, numel, found)
+        return found
+
+    def _other_grads(self) -> Optional[list[Tensor]]:
+        """The other parameters' gradients, for the check (``None``: one it cannot take: sparse, of a tensor
+        subclass, or on another device)."""
+        grads = [g for g in (getattr(p, "grad", None) for p in self.others) if g is not None]
+        device = self.device if self.device is not None else grads[0].device if grads else None
+        if any(type(g) is not Tensor or g.is_sparse or g.device != device for g in grads):
+            return None
+        return grads
 
     def swap_in(self, optimizer: Optimizer) -> bool:
         """The stand-ins and their state take the parameters' places: each param group's list is rewritten in place
@@ -1039,199 +1243,48 @@ class _Layout:
 class FP32MasterWeights(MasterWeights):
     """fp32 master copies that the optimizer steps; half weights are written from them after each step.
 
-    The step's common case takes a planned path (:meth:`_gather_planned`): one optimizer's half parameters, all on
-    one device, with dense gradients and no fp32 sums pending. Its layout is made once (rebuilt when the parameter
-    set, the entries or a parameter's storage change); a step then reads the gradients and stamps in list passes,
-    fills the fp32 gradients with one multi-tensor copy, checks them in one multi-tensor kernel beside the other
-    gradients, and writes the weights back with one multi-tensor copy, reusing its step records. Anything else
-    (sparse gradients, parameters without a gradient, gradient accumulation's sums, several devices) takes the
-    general path, with the same results.
+    The masters are the stand-ins, kept from step to step: every step takes all of an optimizer's half parameters
+    (one without a gradient stands in unmoved), so the layout's lists and state swap whole, and the weights are
+    written back through aliases in one multi-tensor copy. Small layouts keep the fp32 gradients and the masters in
+    flat buffers (:meth:`_Layout.flatten`): following the weights is four kernels, the check reads one tensor.
     """
 
     kind = "fp32"
-
-    def __init__(self) -> None:
-        super().__init__()
-        #: optimizer -> (the key its layout was made for, the layout or None where the optimizer is not plannable):
-        #: a refusal is kept as long as a layout would be, so the general path pays no planning attempt a step
-        self._layouts: "weakref.WeakKeyDictionary[Optimizer, tuple[tuple, Optional[_Layout]]]" = (
-            weakref.WeakKeyDictionary()
-        )
-        self._flags = ZeroFlags()  # the planned gather's verdict flags
+    _standins_held = True
 
     def to_(self, device: torch.device) -> None:
         for entry in self._entries.values():
-            cast(nn.Parameter, entry.held).grad = None  # (the planned steps' gradient views: their buffer goes too)
+            cast(nn.Parameter, entry.held).grad = None  # (the layouts' gradient views: their buffer goes too)
         super().to_(device)
-        self._layouts = weakref.WeakKeyDictionary()  # (their aliases and flat gradient buffers stay where they were)
 
-    def __getstate__(self) -> dict[str, Any]:
-        # layouts are made again at the next step (they are keyed weakly by optimizer, which pickle cannot carry)
-        state = dict(self.__dict__)
-        state["_layouts"], state["_flags"] = None, None
-        return state
+    def _made(self, layout: _Layout) -> None:
+        layout.flatten()
+        layout.alias()
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._layouts = weakref.WeakKeyDictionary()
-        self._flags = ZeroFlags()
+    def _refresh(self, layout: _Layout, picked: Optional[list[int]]) -> None:
+        self._resync_layout(layout)  # (the masters are the stand-ins; every step takes all of them)
 
-    def gather(self, optimizer: Optimizer, *, check: bool = False, every: bool = False) -> StepRecords:
-        out = None if self._carrying else self._gather_planned(optimizer, check)
-        return out if out is not None else super().gather(optimizer, check=check, every=every)
-
-    def _layout(self, optimizer: Optimizer) -> Optional[_Layout]:
-        kept = self._layouts.get(optimizer)
-        if kept is not None and kept[0][0] == self._generation:
-            layout = kept[1]
-            if layout is not None and layout.fits(optimizer):  # (no allocation: the common case)
-                return layout
-        # what a layout stands on: every group's params list (the records swap inside them), the parameters in it
-        # (held by the layout, so their ids stay theirs) and the entries' generation
-        lists = [group["params"] for group in optimizer.param_groups]
-        ids = (tuple(map(id, lists)), tuple(tuple(map(id, params)) for params in lists))
-        if kept is not None and kept[0] == (self._generation, ids):
-            return kept[1]  # (not plannable: kept as long as a layout would be)
-        layout = self._make_layout(optimizer)  # (entries it makes move the generation: keyed after)
-        self._layouts[optimizer] = ((self._generation, ids), layout)
-        return layout
-
-    def _make_layout(self, optimizer: Optimizer) -> Optional[_Layout]:
-        half, entries, records, others, groups = [], [], [], [], []
-        for group in optimizer.param_groups:
-            params = group["params"]
-            stepped = list(params)
-            for i, param in enumerate(params):
-                if not (isinstance(param, Tensor) and param.dtype in _HALF):
-                    others.append(param)
-                    continue
-                entry = self._entry(param)
-                held = cast(nn.Parameter, entry.held)
-                half.append(param)
-                entries.append(entry)
-                records.append(StepRecord(params, i, param, held))
-                stepped[i] = held
-            groups.append((params, list(params), stepped))
-        devices = {p.device for p in half}
-        if len(devices) != 1 or any(type(p) not in (Tensor, nn.Parameter) or p.layout is not torch.strided
-                                    for p in half):
-            return None
-        total, device = sum(p.numel() for p in half), devices.pop()
-        flat = views = mflat = None
-        if total <= FLAT_GRADS_MAX_NUMEL and all(p.is_contiguous() for p in half):  # (a view is contiguous)
-            sizes = [p.numel() for p in half]
-            flat = torch.empty(total, dtype=torch.float32, device=device)
-            views = [v.view(p.shape) for v, p in zip(flat.split(sizes), half)]
-            # the masters move into one flat buffer too (the same Parameter objects): the reconciliation with the
-            # weights before each step is then one kernel for all of them
-            mflat = torch.empty(total, dtype=torch.float32, device=device)
-            with torch.no_grad():
-                for entry, v, p in zip(entries, mflat.split(sizes), half):
-                    held = cast(nn.Parameter, entry.held)
-                    if held.device != device:
-                        break
-                    v.view(p.shape).copy_(held.detach())
-                    held.data = v.view(p.shape)
-                else:
-                    v = None
-            if v is not None:  # a master on another device: no flat masters
-                mflat = None
-        standins = {id(r.standin): r.param for r in records}
-        return _Layout(
-            half=half, entries=entries, records=records, others=others, total=total, device=device,
-            ptrs=[p.data_ptr() for p in half], dst=[p.data for p in half],
-            src=[cast(Tensor, e.held).data for e in entries], standins=standins,
-            masters=[r.standin for r in records], groups=groups,
-            mirror=_StateMirror({id(r.param): r.standin for r in records}, standins),
-            wraps=bool(wrapped_optimizers(optimizer)),
-            flat=flat, views=views, mflat=mflat,
-            flat_half=None if mflat is None else [p.detach().view(-1) for p in half],
-        )
-
-    def _gather_planned(self, optimizer: Optimizer, check: bool) -> Optional[StepRecords]:
-        """:meth:`gather` where every half parameter of ``optimizer`` has a dense gradient (else ``None``).
-
-        Its per-step work is a handful of passes over lists in C (the gradients, the version counters, the
-        stand-ins' gradients), one multi-tensor copy and check, and no Python a parameter."""
-        layout = self._layout(optimizer)
-        if layout is None:
-            return None
-        half = layout.half
-        grads = list(map(_GRAD, half))
-        missing: Optional[list[int]] = None  # parameters without a gradient (frozen, unused): not stepped
-        kinds = set(map(type, grads))
-        if kinds != _DENSE_TYPES:
-            if not kinds <= _DENSE_OR_NONE:
-                return None  # a gradient of a tensor subclass: the general path
-            missing = [i for i, grad in enumerate(grads) if grad is None]
-        have = grads if missing is None else [grad for grad in grads if grad is not None]
-        if have and set(map(_LAYOUT, have)) != _STRIDED:
-            return None  # a sparse gradient: the general path
-        if list(map(Tensor.data_ptr, half)) != layout.ptrs:  # a storage replaced: aliases and layout made again
-            self._layouts.pop(optimizer, None)
-            return None
-        requires_grad = list(map(_REQUIRES_GRAD, half))
-        if requires_grad != layout.requires_grad:
-            for master, flag in zip(layout.masters, requires_grad):
-                master.requires_grad_(flag)
-            layout.requires_grad = requires_grad
-        masters, views = layout.masters, layout.views
-        with torch.no_grad():
-            self._resync_layout(layout)
-            if missing is None:
-                # small layouts: the flat buffer's views, made once; else one allocation a gradient, freed after the
-                # step
-                g32 = views if views is not None else [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
-                torch._foreach_copy_(g32, grads)
-                if views is None or not all(map(operator.is_, map(_GRAD, masters), g32)):
-                    for master, g in zip(masters, g32):  # (the views stay on the masters from step to step)
-                        master.grad = g
-            else:
-                if views is not None:  # what the flat buffer holds for them is not checked: zeros
-                    torch._foreach_zero_([views[i] for i in missing])
-                stepped = [i for i, grad in enumerate(grads) if grad is not None]
-                g32 = [views[i] if views is not None else torch.empty_like(grads[i], dtype=torch.float32)
-                       for i in stepped]
-                if stepped:
-                    torch._foreach_copy_(g32, have)
-                for i in missing:
-                    masters[i].grad = None
-                for i, g in zip(stepped, g32):
-                    masters[i].grad = g
-        self._stepping[id(optimizer)] = layout.standins
-        seen = list(map(_VERSION, grads)) if missing is None else [g if g is None else g._version for g in grads]
-        out = StepRecords(optimizer, layout.records, layout=layout, unseen=(grads, seen))
-        if check:
-            checked = [layout.flat] if layout.flat is not None else list(g32)
-            numel = layout.total if layout.flat is not None or missing is None else sum(g.numel() for g in g32)
-            for param in layout.others:
-                grad = getattr(param, "grad", None)
-                if grad is None:
-                    continue
-                if type(grad) is not Tensor or grad.is_sparse or grad.dtype != torch.float32 \
-                        or grad.device != layout.device:
-                    return out  # not checked here: the general check runs (found stays None)
-                checked.append(grad)
-                numel += grad.numel()
-            out.found = self._flags.take(layout.device)
-            check_tensors_({torch.float32: checked}, numel, out.found)
-        return out
-
-    def write_back(self, records: StepRecords, *, skipped: Optional[bool], found_inf: Optional[Tensor] = None) -> None:
+    def _write_step(self, records: StepRecords, skip_flag: Optional[Tensor]) -> None:
+        # (on a step skipped on the device the masters did not move: the copy writes the same values; a master
+        # without a gradient did not move either, and its weight is its rounding already)
         layout = records.layout
-        if layout is None:
-            return super().write_back(records, skipped=skipped, found_inf=found_inf)
-        if skipped is not True:
-            # (on a step skipped on the device the masters did not move: the copy writes the same values; a master
-            # whose gradient a hook dropped did not move either, and its weight is its rounding already)
-            with torch.no_grad():
-                torch._foreach_copy_(layout.dst, layout.src)
-        if layout.views is None:  # gradients allocated for this step: freed
-            for master in layout.masters:
-                master.grad = None
-        self._stepping.pop(id(records.optimizer), None)
-        # (the weights were written through ``.data`` aliases: their version counters, and so the entries' stamps,
-        # are unchanged)
+        if layout.dst is None:
+            super()._write_step(records, skip_flag)
+        elif layout.dst:
+            torch._foreach_copy_(layout.dst, cast(list, layout.src))
+
+    def _end_step(self, records: StepRecords) -> None:
+        """The step's fp32 gradients go, but for the flat buffer's views, kept on the masters from step to step.
+        (The weights were written through ``.data``: their version counters, and so the entries' stamps, are
+        unchanged.)"""
+        standins, views = records.layout.standins, records.layout.views
+        if views is None:
+            for standin in standins:
+                standin.grad = None
+        elif not all(map(operator.is_, map(_GRAD, standins), views)):
+            for standin, view in zip(standins, views):
+                if standin.grad is not view:
+                    standin.grad = None
 
     def _new_held(self, param: Tensor, original: Optional[Tensor]) -> Tensor:
         if original is not None:
@@ -1250,7 +1303,7 @@ class FP32MasterWeights(MasterWeights):
                 follow_weight_(master, weight)
 
     def _resync_layout(self, layout: _Layout) -> None:
-        """:meth:`_resync` for a planned layout: with its masters in one flat buffer, four kernels for all of them."""
+        """:meth:`_resync` for a layout: with its masters in one flat buffer, four kernels for all of them."""
         if layout.mflat is None or layout.flat_half is None:
             self._resync(layout.entries)
             return
@@ -1288,7 +1341,7 @@ class FP32MasterWeights(MasterWeights):
 
     def _load_own(self, state: dict[str, Any]) -> None:
         saved: Any = state.get("masters")  # checked by _check_names
-        self._check_names(saved, "masters")
+        _check_names(self.named_params(), saved, "masters")
         self.load_fp32_values(saved)
 
     def load_fp32_values(self, values: dict[str, Tensor]) -> int:
@@ -1360,7 +1413,7 @@ class KahanCompensation(MasterWeights):
 
     def _load_own(self, state: dict[str, Any]) -> None:
         saved: Any = state.get("compensation")  # checked by _check_names
-        self._check_names(saved, "compensation")
+        _check_names(self.named_params(), saved, "compensation")
         prints = state.get("weights_fingerprint") or {}
         with torch.no_grad():
             for name, entry in self._entry_by_name().items():
