@@ -109,7 +109,9 @@ class DiffNet(LightningModule):
         self.tags = tags  # shared by every module of one run (a resume makes a new one)
         self.cursor = 0
         with torch.random.fork_rng(devices=[]):  # nn.Linear's own init draws from the global RNG
-            self.l1 = nn.Linear(FEATURES, FEATURES)
+            # no bias ahead of BatchNorm (it cancels it): its gradient would be rounding noise, which Adam scales up
+            # to lr-sized steps in random directions, and no tolerance tells such drift from a bug
+            self.l1 = nn.Linear(FEATURES, FEATURES, bias=not program.batchnorm)
             self.bn = nn.BatchNorm1d(FEATURES) if program.batchnorm else None
             self.ln = nn.LayerNorm(FEATURES) if program.layernorm else None
             self.l2 = nn.Linear(FEATURES, FEATURES)
@@ -279,6 +281,7 @@ class Final:
     scheduler: Optional[dict]
     global_step: int
     tags: list[int]
+    validations: list[float] = dataclasses.field(default_factory=list)  # what each validate entry logged
     steps: Optional[int] = None  # plugin.stats (ours)
     skipped: Optional[int] = None
     masters: Optional[dict] = None  # plugin.masters.state_dict() (ours, true-half)
@@ -307,6 +310,7 @@ def physical_steps(program: Program, logical: int) -> int:
 
 def run(program: Program, side: Side) -> Final:
     tags: list[int] = []
+    validations: list[float] = []
     callbacks = [WeightWriter(program.writes)] if program.writes else []
     model = DiffNet(program, tags)
     trainer: Optional[Trainer] = None
@@ -322,7 +326,7 @@ def run(program: Program, side: Side) -> Final:
                     trainer.fit_loop.epoch_loop.max_steps = physical_steps(program, logical)
                 trainer.fit(model)
             elif entry.kind == "validate":
-                trainer.validate(model, verbose=False)
+                validations.append(float(trainer.validate(model, verbose=False)[0]["val_loss"]))
             elif entry.kind == "resume":
                 path = Path(tmp) / f"resume-{logical}.ckpt"
                 trainer.save_checkpoint(path)
@@ -333,7 +337,9 @@ def run(program: Program, side: Side) -> Final:
                 trainer.fit(model, ckpt_path=path)
             else:
                 raise ValueError(f"entry {entry.kind!r}")
-    return collect(trainer, model, tags)
+    final = collect(trainer, model, tags)
+    final.validations = validations
+    return final
 
 
 def collect(trainer: Trainer, model: DiffNet, tags: list[int]) -> Final:
