@@ -187,63 +187,95 @@ class SpikeGuard:
         another length names the ``spike_window`` to resume with."""
         if not isinstance(state, dict):
             raise ValueError(f"The checkpoint's spike-guard state must be a dict, not {type(state).__name__}.")
-        values: Any = state.get("values")  # checked below
-        if isinstance(values, Tensor) and values.dim() == 2:
-            values = values.unsqueeze(0)  # one optimizer's window
-        shaped = isinstance(values, Tensor) and values.dim() == 3 and values.shape[0] >= 1 and values.shape[1] == 2
-        if not shaped or not values.is_floating_point():
-            raise ValueError(
-                "The checkpoint's spike-guard window 'values' must be a float tensor of shape (2, window) or"
-                " (optimizers, 2, window)."
-            )
-        if not bool(torch.isfinite(values).all()):
-            raise ValueError("The checkpoint's spike-guard window holds inf/NaN values: it is corrupted.")
-        per_window = {}
-        for key in ("count", "spikes_in_a_row"):
-            given = state.get(key)
-            listed = [given] if not isinstance(given, (list, tuple)) else list(given)
-            bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in listed)
-            if bad or len(listed) != values.shape[0]:
-                raise ValueError(
-                    f"The checkpoint's spike-guard counter {key}={given!r} must be an integer >= 0 for each of its"
-                    f" {values.shape[0]} window(s)."
-                )
-            per_window[key] = listed
+        values = _checked_values(state)
+        per_window = _checked_counters(state, values.shape[0])
         counts = per_window["count"]
-        total = state.get("spike_skips")
-        if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-            raise ValueError(f"The checkpoint's spike-guard counter spike_skips={total!r} must be an integer >= 0.")
-        if values.shape[2] != self.window:
-            raise ValueError(
-                f"The checkpoint's spike window holds {values.shape[2]} steps, but spike_window={self.window}: resume"
-                f" with spike_window={values.shape[2]}, or drop the plugin state's 'spike' entry to start a new window."
-            )
+        total = _checked_total(state)
+        self._check_window_length(values)
         values = values.detach().float().cpu().clone()
-        peak = state.get("peak")
-        if peak is None:  # (written before the peak was kept: the window's largest values stand in)
-            filled = torch.arange(values.shape[2]) < torch.tensor(counts).clamp(max=values.shape[2])[:, None]
-            peak = torch.where(filled[:, None, :], values, 0.0).amax(2)
-        elif not isinstance(peak, Tensor) or not peak.is_floating_point() or peak.numel() != 2 * values.shape[0]:
-            raise ValueError(
-                f"The checkpoint's spike-guard 'peak' must be a float tensor of {2 * values.shape[0]} values (the"
-                " largest clean loss and gradient norm of each window)."
-            )
-        elif not bool(torch.isfinite(peak).all()):
-            raise ValueError("The checkpoint's spike-guard 'peak' holds inf/NaN values: it is corrupted.")
-        peak = peak.detach().float().cpu().reshape(values.shape[0], 2).clone()
+        peak = _checked_peak(state, values, counts)
         streaks = per_window["spikes_in_a_row"]
         loaded = {"window": self.window, "values": values, "count": counts, "peak": peak, "spike_skips": total,
                   "spikes_in_a_row": streaks}  # fmt: skip
         if self._values is None:
             self._loaded = loaded
         else:
-            device = self._values.device
-            assert self._total is not None  # set with _values
-            self._values = loaded["values"].to(device)
-            self._count = torch.tensor(counts, dtype=torch.int64, device=device)
-            self._peak = peak.to(device)
-            self._total.fill_(total)
-            self._streak = torch.tensor(streaks, dtype=torch.int64, device=device)
+            self._take(values, counts, peak, total, streaks)
+
+    def _check_window_length(self, values: Tensor) -> None:
+        """A window of another length than ``spike_window`` cannot be resumed: name the one to resume with."""
+        if values.shape[2] != self.window:
+            raise ValueError(
+                f"The checkpoint's spike window holds {values.shape[2]} steps, but spike_window={self.window}: resume"
+                f" with spike_window={values.shape[2]}, or drop the plugin state's 'spike' entry to start a new window."
+            )
+
+    def _take(self, values: Tensor, counts: list[int], peak: Tensor, total: int, streaks: list[int]) -> None:
+        """Replace the live (device) window with a validated checkpoint's."""
+        assert self._values is not None and self._total is not None  # set with _values
+        device = self._values.device
+        self._values = values.to(device)
+        self._count = torch.tensor(counts, dtype=torch.int64, device=device)
+        self._peak = peak.to(device)
+        self._total.fill_(total)
+        self._streak = torch.tensor(streaks, dtype=torch.int64, device=device)
+
+
+def _checked_values(state: dict[str, Any]) -> Tensor:
+    """The checkpoint's windows as ``(optimizers, 2, window)``: a float tensor of finite values."""
+    values: Any = state.get("values")  # checked below
+    if isinstance(values, Tensor) and values.dim() == 2:
+        values = values.unsqueeze(0)  # one optimizer's window
+    shaped = isinstance(values, Tensor) and values.dim() == 3 and values.shape[0] >= 1 and values.shape[1] == 2
+    if not shaped or not values.is_floating_point():
+        raise ValueError(
+            "The checkpoint's spike-guard window 'values' must be a float tensor of shape (2, window) or"
+            " (optimizers, 2, window)."
+        )
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError("The checkpoint's spike-guard window holds inf/NaN values: it is corrupted.")
+    return values
+
+
+def _checked_counters(state: dict[str, Any], windows: int) -> dict[str, list[Any]]:
+    """``count`` and ``spikes_in_a_row``, each as a list of one integer >= 0 per window."""
+    per_window = {}
+    for key in ("count", "spikes_in_a_row"):
+        given = state.get(key)
+        listed = [given] if not isinstance(given, (list, tuple)) else list(given)
+        bad = any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in listed)
+        if bad or len(listed) != windows:
+            raise ValueError(
+                f"The checkpoint's spike-guard counter {key}={given!r} must be an integer >= 0 for each of its"
+                f" {windows} window(s)."
+            )
+        per_window[key] = listed
+    return per_window
+
+
+def _checked_total(state: dict[str, Any]) -> int:
+    """The run's total of spike skips: an integer >= 0."""
+    total = state.get("spike_skips")
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ValueError(f"The checkpoint's spike-guard counter spike_skips={total!r} must be an integer >= 0.")
+    return total
+
+
+def _checked_peak(state: dict[str, Any], values: Tensor, counts: list[int]) -> Tensor:
+    """The largest clean (loss, gradient norm) of each window, ``(optimizers, 2)``; a checkpoint written before the
+    peak was kept gets its window's largest values."""
+    peak = state.get("peak")
+    if peak is None:  # (written before the peak was kept: the window's largest values stand in)
+        filled = torch.arange(values.shape[2]) < torch.tensor(counts).clamp(max=values.shape[2])[:, None]
+        peak = torch.where(filled[:, None, :], values, 0.0).amax(2)
+    elif not isinstance(peak, Tensor) or not peak.is_floating_point() or peak.numel() != 2 * values.shape[0]:
+        raise ValueError(
+            f"The checkpoint's spike-guard 'peak' must be a float tensor of {2 * values.shape[0]} values (the"
+            " largest clean loss and gradient norm of each window)."
+        )
+    elif not bool(torch.isfinite(peak).all()):
+        raise ValueError("The checkpoint's spike-guard 'peak' holds inf/NaN values: it is corrupted.")
+    return peak.detach().float().cpu().reshape(values.shape[0], 2).clone()
 
 
 def _figure(value: Optional[Tensor], ref: Tensor) -> Tensor:
