@@ -113,20 +113,57 @@ def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> d
     ones: that fused kernel with scale 1, one launch instead of five, which is what counts on a model whose
     step is bound by the host (``x * 1`` is ``x`` for every float, so the gradients keep their values).
     """
-    plain = torch.Tensor
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return {}
-    first = grads[0]
-    if all(type(g) is plain for g in grads) and not any(g.is_sparse for g in grads):
-        device, dtype = first.device, first.dtype
-        if all(g.device == device and g.dtype == dtype for g in grads):  # one list: the common case
-            nonempty = [g for g in grads if g.numel()]
-            if not nonempty:
-                return {}
-            flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
-            check_tensors_({dtype: nonempty}, sum(g.numel() for g in nonempty), flag)
-            return {device: flag}
+    if _one_plain_list(grads):  # the common case
+        return _check_one_list(grads, found_inf)
+    found: dict[torch.device, torch.Tensor] = {}
+    for device, (per_dtype, numel) in _grouped_per_device(optimizer).items():
+        flag = _flag_on(device, found_inf)
+        check_tensors_(per_dtype, numel, flag)
+        found[device] = flag
+    return found
+
+
+def _flag_on(device: torch.device, found_inf: torch.Tensor) -> torch.Tensor:
+    """``found_inf`` where it lives on ``device``, else a zero flag of its own there."""
+    return found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
+
+
+def _one_plain_list(grads: list[torch.Tensor]) -> bool:
+    """Whether every gradient is a plain dense tensor on the first one's device, in its dtype."""
+    plain = torch.Tensor
+    if not all(type(g) is plain for g in grads) or any(g.is_sparse for g in grads):
+        return False
+    device, dtype = grads[0].device, grads[0].dtype
+    return all(g.device == device and g.dtype == dtype for g in grads)
+
+
+def _check_one_list(grads: list[torch.Tensor], found_inf: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    """The check of plain gradients of one device and dtype: one call of :func:`check_tensors_`."""
+    nonempty = [g for g in grads if g.numel()]
+    if not nonempty:
+        return {}
+    first = nonempty[0]
+    flag = _flag_on(first.device, found_inf)
+    check_tensors_({first.dtype: nonempty}, sum(g.numel() for g in nonempty), flag)
+    return {first.device: flag}
+
+
+def _local_values(grad: Any) -> torch.Tensor:
+    """What a rank checks of a gradient: a sparse one's values, a DTensor's own shard."""
+    grad = grad._values() if grad.is_sparse else grad
+    if _is_dtensor(grad):
+        grad = grad.to_local()  # a rank checks its own shard; the verdict is then all-reduced
+    return grad
+
+
+def _grouped_per_device(
+    optimizer: torch.optim.Optimizer,
+) -> dict[torch.device, tuple[dict[torch.dtype, list[torch.Tensor]], int]]:
+    """``optimizer``'s non-empty gradients per device, then per dtype, with each device's element count."""
+    plain = torch.Tensor
     grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
     numel: dict[torch.device, int] = defaultdict(int)
     for group in optimizer.param_groups:
@@ -135,20 +172,13 @@ def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> d
             if grad is None:
                 continue
             if type(grad) is not plain or grad.is_sparse:  # (a plain dense gradient, the common case, skips these)
-                grad = grad._values() if grad.is_sparse else grad
-                if _is_dtensor(grad):
-                    grad = grad.to_local()  # a rank checks its own shard; the verdict is then all-reduced
+                grad = _local_values(grad)
             n = grad.numel()
             if n == 0:
                 continue  # an empty shard holds nothing to check (and the inf-norm of nothing is undefined)
             grouped[grad.device][grad.dtype].append(grad)
             numel[grad.device] += n
-    found: dict[torch.device, torch.Tensor] = {}
-    for device, per_dtype in grouped.items():
-        flag = found_inf if found_inf.device == device else torch.zeros_like(found_inf, device=device)
-        check_tensors_(per_dtype, numel[device], flag)
-        found[device] = flag
-    return found
+    return {device: (per_dtype, numel[device]) for device, per_dtype in grouped.items()}
 
 
 
