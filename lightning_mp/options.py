@@ -81,63 +81,94 @@ def summary(plugin: Any) -> str:
     Example: ``bf16 mixed precision (autocast bf16, fp32 weights, inf/NaN steps skipped, stop after 100 in a row,
     FP32 guards: defaults) on cpu``.
     """
-    from lightning_mp.guards import DEFAULT_FP32_MODULES
     from lightning_mp.modes import AUTO, running_mode
 
     mode = running_mode(plugin)
     assert mode is not None, "summary() describes an MPPlugin"  # (its mode, or auto's choice for its device)
-    settings = plugin.settings
-    parts: list[str] = []
-    if plugin.requested_precision == AUTO:
-        parts.append("chosen by 'auto'")
-    tf32 = settings.tf32 if settings.tf32 is not None else mode.tf32
+    parts: list[str] = ["chosen by 'auto'"] if plugin.requested_precision == AUTO else []
+    parts += _weights_clauses(plugin, mode)
+    parts += _tf32_clauses(plugin, mode)
+    parts += _scaling_clauses(plugin, mode)
+    parts += _skipping_clauses(plugin, mode)
+    parts.append(_guards_clause(plugin))
+    parts += _distributed_clauses(plugin)
+    kind = "mixed precision" if mode.autocast_only else "precision"
+    return f"{mode.name} {kind} ({', '.join(parts)}) on {plugin.device}"
+
+
+def _weights_clauses(plugin: Any, mode: Any) -> list[str]:
+    """The dtypes the weights are kept and the compute runs in (and the master weights of a true-half mode)."""
     if mode.fp8:
-        parts += [
+        return [
             f"Transformer Engine FP8 GEMMs, {plugin.fp8_config.recipe} scaling",
             "autocast bf16 for the rest",
             f"{plugin.fp8_config.weights} weights",
         ]
-    elif mode.true_half:
+    if mode.true_half:
         assert mode.param_dtype is not None  # true-half modes cast the weights
         short = _SHORT[mode.param_dtype]
-        parts += [f"{short} weights and compute", _MASTERS[plugin.master_weights or "fp32"].format(short)]
-    elif mode.autocast_dtype is not None:
-        parts += [f"autocast {_SHORT[mode.autocast_dtype]}", "fp32 weights"]
-    else:
-        parts.append("fp32 weights and compute")
+        return [f"{short} weights and compute", _MASTERS[plugin.master_weights or "fp32"].format(short)]
+    if mode.autocast_dtype is not None:
+        return [f"autocast {_SHORT[mode.autocast_dtype]}", "fp32 weights"]
+    return ["fp32 weights and compute"]
+
+
+def _tf32_clauses(plugin: Any, mode: Any) -> list[str]:
+    """TF32, where the mode is ``tf32`` or the setting (given, or the mode's) applies on CUDA."""
+    tf32 = plugin.settings.tf32 if plugin.settings.tf32 is not None else mode.tf32
     if mode.name == "tf32" or (tf32 is not None and plugin.device == "cuda"):
-        parts.append("TF32 matmul/cuDNN" if tf32 else "TF32 off")
+        return ["TF32 matmul/cuDNN" if tf32 else "TF32 off"]
+    return []
+
+
+def _scaling_clauses(plugin: Any, mode: Any) -> list[str]:
+    """The loss scaling: a given scaler, a static or a dynamic scale; none where the mode needs none."""
+    settings = plugin.settings
     if settings.scaler is not None:
-        parts.append(f"loss scaling by the given {type(settings.scaler).__name__}")
-    elif mode.needs_scaler:
-        scaling = settings.scaling
-        if scaling.loss_scale is not None:
-            parts.append(f"static loss scale {scaling.loss_scale:g}")
-        else:
-            hysteresis = f", hysteresis {scaling.hysteresis}" if scaling.hysteresis != 1 else ""
-            parts.append(f"dynamic loss scale from {scaling.init_scale:g}{hysteresis}")
+        return [f"loss scaling by the given {type(settings.scaler).__name__}"]
+    if not mode.needs_scaler:
+        return []
+    scaling = settings.scaling
+    if scaling.loss_scale is not None:
+        return [f"static loss scale {scaling.loss_scale:g}"]
+    hysteresis = f", hysteresis {scaling.hysteresis}" if scaling.hysteresis != 1 else ""
+    return [f"dynamic loss scale from {scaling.init_scale:g}{hysteresis}"]
+
+
+def _skipping_clauses(plugin: Any, mode: Any) -> list[str]:
+    """Whether inf/NaN steps are checked and skipped, and after how many in a row the run stops."""
+    settings = plugin.settings
     if settings.scaler is None and not mode.needs_scaler and not settings.skips.skip_nonfinite:
-        parts.append("inf/NaN steps not checked (skip_nonfinite=False)")
-    else:
-        parts.append("inf/NaN steps skipped")
-        if plugin.max_consecutive_skips is not None:
-            parts.append(f"stop after {plugin.max_consecutive_skips} in a row")
+        return ["inf/NaN steps not checked (skip_nonfinite=False)"]
+    parts = ["inf/NaN steps skipped"]
+    if plugin.max_consecutive_skips is not None:
+        parts.append(f"stop after {plugin.max_consecutive_skips} in a row")
+    return parts
+
+
+def _guards_clause(plugin: Any) -> str:
+    """The FP32 guards on the plugin's device: none, the defaults, or the defaults and/or the extra ones."""
+    from lightning_mp.guards import DEFAULT_FP32_MODULES
+
     spec = plugin._fp32_guard_spec(plugin.device)
     native_layer_norm = "" if spec.plain_layer_norm else " (plain LayerNorms in bf16)"
     if spec.empty:
-        parts.append("no FP32 guards")
-    elif spec.patterns == DEFAULT_FP32_MODULES and not spec.classes:
-        parts.append(f"FP32 guards: defaults{native_layer_norm}")
-    else:
-        extra = [p for p in spec.patterns if p not in DEFAULT_FP32_MODULES] + [c.__name__ for c in spec.classes]
-        listed = ["defaults"] if set(DEFAULT_FP32_MODULES) <= set(spec.patterns) else []
-        parts.append(f"FP32 guards: {' + '.join(listed + ([', '.join(extra)] if extra else []))}{native_layer_norm}")
+        return "no FP32 guards"
+    if spec.patterns == DEFAULT_FP32_MODULES and not spec.classes:
+        return f"FP32 guards: defaults{native_layer_norm}"
+    extra = [p for p in spec.patterns if p not in DEFAULT_FP32_MODULES] + [c.__name__ for c in spec.classes]
+    listed = ["defaults"] if set(DEFAULT_FP32_MODULES) <= set(spec.patterns) else []
+    return f"FP32 guards: {' + '.join(listed + ([', '.join(extra)] if extra else []))}{native_layer_norm}"
+
+
+def _distributed_clauses(plugin: Any) -> list[str]:
+    """The dtypes gradients are reduced in and FSDP gathers the weights in, where set."""
+    parts = []
     if plugin.reduce_dtype is not None:
         parts.append(f"gradients reduced in {plugin.reduce_dtype}")
     if plugin.fsdp_param_dtype is not None:
         parts.append(f"FSDP gathers {plugin.fsdp_param_dtype} weights")
-    kind = "mixed precision" if mode.autocast_only else "precision"
-    return f"{mode.name} {kind} ({', '.join(parts)}) on {plugin.device}"
+    return parts
 
 
 def announce(plugin: Any, model: Any = None) -> Optional[str]:
