@@ -416,39 +416,11 @@ class NonFiniteDetector(Callback):
     def _check(self, trainer: Trainer, stopping: bool = False) -> None:
         """Read the flags of the batches since the last read; report the first non-finite one."""
         pending, self._pending = self._pending, []
-        found: Optional[NonFiniteReport] = None
-        found_rec: Optional[_BatchRecord] = None
-        if pending:
-            # (every pending record has its flag: _finish_record)
-            flags = torch.stack([cast(Tensor, r.any_bad) for r in pending]).tolist()  # one host copy for the window
-            bad = [r for r, f in zip(pending, flags) if f]
-            for i, rec in enumerate(bad):
-                report = self._describe(rec, trainer)
-                if report is not None:
-                    report.later_batches = len(bad) - i - 1
-                    found, found_rec = report, rec
-                    break
+        found, found_rec = self._first_report(pending, trainer)
         world = trainer.world_size
         if self.action == "raise" and world > 1 and not stopping:
-            # every rank stops together: a rank whose own data stayed finite raises too
-            any_found = trainer.strategy.reduce_boolean_decision(found is not None, all=False)
-            if any_found and found is None:
-                raise NonFiniteTrainingError(
-                    f"NonFiniteDetector: another rank found inf/NaN values (global step {trainer.global_step});"
-                    " its error names the module."
-                )
-        if found is None:
-            return
-        last = self.reports[-1] if self.reports else None
-        if (
-            self.action != "raise"
-            and last is not None
-            and _signature(last) == _signature(found)
-            and found.step <= self._last_step_seen + self.check_every_n_steps + 1
-        ):
-            # the same finding again in the next batches (e.g. the weights are NaN now): fold, don't repeat
-            last.repeats += 1 + found.later_batches
-            self._last_step_seen = found.step
+            self._raise_if_another_rank_found(trainer, found)
+        if found is None or self._folded_into_last(found):
             return
         self._last_step_seen = found.step
         found.message = self._message(found, world)
@@ -461,41 +433,62 @@ class NonFiniteDetector(Callback):
             raise NonFiniteTrainingError(found.message)
         warnings.warn(found.message, UserWarning, stacklevel=2)
 
+    def _first_report(
+        self, pending: list[_BatchRecord], trainer: Trainer
+    ) -> tuple[Optional[NonFiniteReport], Optional[_BatchRecord]]:
+        """The report of the first pending batch with a finding, and its record; the batches after it are counted."""
+        if not pending:
+            return None, None
+        # (every pending record has its flag: _finish_record)
+        flags = torch.stack([cast(Tensor, r.any_bad) for r in pending]).tolist()  # one host copy for the window
+        bad = [r for r, f in zip(pending, flags) if f]
+        for i, rec in enumerate(bad):
+            report = self._describe(rec, trainer)
+            if report is not None:
+                report.later_batches = len(bad) - i - 1
+                return report, rec
+        return None, None
+
+    @staticmethod
+    def _raise_if_another_rank_found(trainer: Trainer, found: Optional[NonFiniteReport]) -> None:
+        """Every rank stops together: a rank whose own data stayed finite raises too."""
+        any_found = trainer.strategy.reduce_boolean_decision(found is not None, all=False)
+        if any_found and found is None:
+            raise NonFiniteTrainingError(
+                f"NonFiniteDetector: another rank found inf/NaN values (global step {trainer.global_step});"
+                " its error names the module."
+            )
+
+    def _folded_into_last(self, found: NonFiniteReport) -> bool:
+        """Whether ``found`` repeats the last report in the next batches (e.g. the weights are NaN now): then it is
+        counted there instead of reported again."""
+        last = self.reports[-1] if self.reports else None
+        if (
+            self.action == "raise"
+            or last is None
+            or _signature(last) != _signature(found)
+            or found.step > self._last_step_seen + self.check_every_n_steps + 1
+        ):
+            return False
+        last.repeats += 1 + found.later_batches
+        self._last_step_seen = found.step
+        return True
+
     def _describe(self, rec: _BatchRecord, trainer: Trainer) -> Optional[NonFiniteReport]:
-        parts = [v for v in (rec.fwd, rec.bwd, rec.par) if v is not None]
-        values = torch.cat(parts).tolist()  # one sync, only for a non-finite batch
-        n_fwd = 0 if rec.fwd is None else rec.fwd.numel()
-        n_bwd = 0 if rec.bwd is None else rec.bwd.numel()
-        fwd, bwd, par = values[:n_fwd], values[n_fwd : n_fwd + n_bwd], values[n_fwd + n_bwd :]
+        fwd, bwd, par = _split_values(rec)
         first_fwd = _first_nonfinite(fwd)
         first_bwd = _first_nonfinite(bwd)
         first_par = _first_nonfinite(par)
         if first_fwd is None and first_bwd is None and first_par is None:
             return None
-        if rec.scaled and not self.report_overflows and first_fwd is None:
-            first_grad = bwd[first_bwd] if first_bwd is not None else par[cast(int, first_par)]  # (one is set)
-            if math.isinf(first_grad):
-                return None  # the loss scaler's own overflow: it skips the step and lowers the scale
+        if first_fwd is None and self._is_scaler_overflow(rec, bwd, par, first_bwd, first_par):
+            return None  # the loss scaler's own overflow: it skips the step and lowers the scale
         forward = self._forward_finding(rec, fwd, first_fwd) if first_fwd is not None else None
         backward = None
         if first_bwd is not None:
             backward = self._backward_finding(rec, fwd, bwd, first_bwd)
         elif first_par is not None:
-            name = rec.par_names[first_par]
-            owner = name.rsplit(".", 1)[0] if "." in name else ""
-            backward = TensorFinding(
-                module=owner,
-                module_type=self._type_of_name(owner),
-                tensor=f"gradient of parameter {name}",
-                shape=None,
-                dtype=None,
-                value=_kind(par[first_par]),
-                explanation=(
-                    "every checked activation gradient was finite: the backward of "
-                    f"{_display(owner, self._root_type)} computed it, or code after backward (on_after_backward,"
-                    " gradient hooks, an earlier accumulation micro-batch) changed it"
-                ),
-            )
+            backward = self._param_grad_finding(rec.par_names[first_par], par[first_par])
         if forward is not None and backward is not None:
             backward.explanation += "; the forward pass was already non-finite, which explains it"
         bad_params = [rec.par_names[i] for i, v in enumerate(par) if not math.isfinite(v)]
@@ -507,6 +500,33 @@ class NonFiniteDetector(Callback):
             forward=forward,
             backward=backward,
             nonfinite_params=bad_params[:10],
+        )
+
+    def _is_scaler_overflow(
+        self, rec: _BatchRecord, bwd: list[float], par: list[float], first_bwd: Optional[int], first_par: Optional[int]
+    ) -> bool:
+        """Whether a finite forward's first non-finite gradient is an inf of a scaled backward, not to be reported
+        (``report_overflows=False``)."""
+        if not rec.scaled or self.report_overflows:
+            return False
+        first_grad = bwd[first_bwd] if first_bwd is not None else par[cast(int, first_par)]  # (one is set)
+        return math.isinf(first_grad)
+
+    def _param_grad_finding(self, name: str, value: float) -> TensorFinding:
+        """The finding of a non-finite parameter gradient while every checked activation gradient was finite."""
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        return TensorFinding(
+            module=owner,
+            module_type=self._type_of_name(owner),
+            tensor=f"gradient of parameter {name}",
+            shape=None,
+            dtype=None,
+            value=_kind(value),
+            explanation=(
+                "every checked activation gradient was finite: the backward of "
+                f"{_display(owner, self._root_type)} computed it, or code after backward (on_after_backward,"
+                " gradient hooks, an earlier accumulation micro-batch) changed it"
+            ),
         )
 
     def _forward_finding(self, rec: _BatchRecord, fwd: list[float], i: int) -> TensorFinding:
@@ -771,6 +791,15 @@ def _signature(report: NonFiniteReport) -> tuple:
     return tuple(
         (f.module, f.tensor) if f is not None else None for f in (report.forward, report.backward)
     )
+
+
+def _split_values(rec: _BatchRecord) -> tuple[list[float], list[float], list[float]]:
+    """The batch's forward, backward and parameter-gradient figures, read in one sync (only for a non-finite batch)."""
+    parts = [v for v in (rec.fwd, rec.bwd, rec.par) if v is not None]
+    values = torch.cat(parts).tolist()
+    n_fwd = 0 if rec.fwd is None else rec.fwd.numel()
+    n_bwd = 0 if rec.bwd is None else rec.bwd.numel()
+    return values[:n_fwd], values[n_fwd : n_fwd + n_bwd], values[n_fwd + n_bwd :]
 
 
 def _first_nonfinite(values: list[float]) -> Optional[int]:
