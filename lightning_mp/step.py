@@ -1,109 +1,40 @@
 """One optimizer step, owned in one place: its order, its skip verdict, and what a skipped step leaves untouched.
 
-The order of one step of one optimizer (stages in capitals; misuse is a clear error, not a wrong number):
-
-    READY
-      1. the closure: forward and backward (automatic optimization); nothing in manual optimization
-      2. gather: in true-half modes, fp32 stand-ins of the half parameters (the masters), with fp32 gradients
-         (the half gradient plus the fp32 sum of earlier micro-batches); they stand in the param groups only while
-         torch's scaler reads the gradients and while the optimizer steps, so hooks and callbacks see the model's
-         own parameters there
-      3. unscale (fp16): the gradients are divided by the loss scale, inf/NaN found in the same fused kernel;
-         the true gradients are written into the half ones that hooks read
-    PREPARED
-      4. hooks: ``on_before_optimizer_step`` (callbacks, then the LightningModule); half gradients a hook rewrote
-         become the fp32 ones
-      5. clipping (``configure_gradient_clipping``): by norm, the norm's finiteness is a verdict source; by value,
-         the gradients are checked before clamping hides an inf
-      6. the verdict: a read-only check of the gradients the optimizer will apply, unless a source above already
-         saw them after the last hook that could write them; the FP8 saturation flag is added; under DDP every
-         rank takes the worst
-      7. step, or skip: the optimizer steps the stand-ins (fused optimizers skip on the device); the half weights
-         are written back; on a skip the buffers the window's forward passes changed are restored
-    STEPPED
-      8. the loss scale moves once per training batch, after every optimizer of that batch has stepped
-         (automatic optimization: right away; manual: when ``training_step`` returns)
+The order of one step of one optimizer, stage by stage: see :mod:`lightning_mp.plans`, whose plans run stages
+1–7; this module runs stage 8 and what every step ends with (``OptimizerSteps._finish``).
 
 Nothing outside this module sets the verdict; callbacks read :class:`lightning_mp.stats.StepStats`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import enum
-import inspect
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.core.optimizer import do_nothing_closure
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 
 from lightning_mp.buffers import BufferSnapshot
 from lightning_mp.distributed import FP32SumReduction, grads_synced
-from lightning_mp.master import MasterWeights, StepRecords, wrapped_optimizers
+from lightning_mp.master import MasterWeights
 from lightning_mp.overlap import OverlappedCheck
-from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
+from lightning_mp.plans import (
+    CheckOnlyPlan, ClosurePlan, GeneralPlan, OptimizerState, Outcome, Plan, Stage, divergence_error, evaluates_closure,
+    first_verdict, standing_in,
+)
+from lightning_mp.spike import SpikeGuard
 import lightning_mp.verdict as checks
 from lightning_mp.nonfinite import StepGuard
-from lightning_mp.scaling import DynamicLossScaler
-from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats, StepStats
+from lightning_mp.stats import StepStats
 
 
-#: the plans of an optimizer's steps (see ``OptimizerSteps._plan``)
-_CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL = "check-only", "check-only fused", "closure", "general"
 #: a fused optimizer's device verdicts sent to the step counters in one copy (see ``OptimizerStats``)
 _VERDICT_BATCH = 8
-
-
-class Stage(enum.Enum):
-    READY = "ready"
-    PREPARED = "prepared"  # gathered and unscaled: hooks and clipping may run
-    STEPPED = "stepped"
-
-
-@dataclass
-class _OptimizerState:
-    """One optimizer's place in the step, and what outlives the step (skip streak, scheduler record)."""
-
-    index: int
-    optimizer: Any = None
-    stage: Stage = Stage.READY
-    records: Optional[StepRecords] = None
-    #: no verdict source has seen the gradients since something may have written them
-    dirty: bool = True
-    #: the total gradient norm clipping computed this step (the spike guard's figure; ``None``: not computed)
-    norm: Optional[Tensor] = None
-    stats: OptimizerStats = field(default_factory=OptimizerStats)
-    #: the plan of its steps, decided at its first step and kept (``None``: not decided yet; see ``_plan``)
-    plan: Optional[str] = None
-    #: the check-only plans' inf/NaN check, planned from the parameters (``None``: the general check)
-    check: Optional[checks.PlannedCheck] = None
-
-
-@dataclass
-class Outcome:
-    """What one optimizer step did, as the plan that ran it found out: the value every plan hands to the one routine
-    that finishes a step (:meth:`OptimizerSteps._finish`)."""
-
-    #: skipped or not, where the host knows (the step paid torch's one sync, or nothing was checked); ``None``: only
-    #: the device knows (a fused optimizer skipped on ``flag``)
-    skipped: Optional[bool]
-    #: the device verdict (non-zero: skipped) where the host does not know
-    flag: Optional[Tensor] = None
-    #: what the loss scale moves on (``None``: no scaler): the outcome, or the inf/NaN verdict alone where a loss
-    #: spike joined the skip (a spike is no overflow)
-    scale_verdict: Tensor | bool | None = None
-    #: the master weights' records of the step, written back by the finish (true-half)
-    records: Optional[StepRecords] = None
 
 
 class OptimizerSteps:
@@ -139,7 +70,7 @@ class OptimizerSteps:
         self._last_loss: Optional[Tensor] = None  # manual optimization: the loss of this batch's last judged step
         self.release_grads = release_grads
         self.buffers = BufferSnapshot()
-        self._optimizers: dict[int, _OptimizerState] = {}
+        self._optimizers: dict[int, OptimizerState] = {}
         self._batch_verdicts: list[Tensor | bool] = []  # this batch's verdicts, for the one scale update
         self._carry_sums = False
         self._sums = FP32SumReduction()
@@ -201,15 +132,15 @@ class OptimizerSteps:
     def _accumulating(self) -> bool:
         return self._accumulate() > 1
 
-    def _new_state(self, index: int, optimizer: Optimizer) -> _OptimizerState:
-        state = _OptimizerState(index, optimizer, stats=self.stats.optimizer(index))
+    def _new_state(self, index: int, optimizer: Optimizer) -> OptimizerState:
+        state = OptimizerState(index, optimizer, stats=self.stats.optimizer(index))
         # device verdicts reach the counters a batch at a time (one copy a batch): the divergence stop then fires up
         # to a batch late, so the batch is a quarter of its limit at most (none: the stop fires as it did)
         limit = self.max_consecutive_skips
         state.stats.verdict_batch = _VERDICT_BATCH if limit is None else max(1, min(_VERDICT_BATCH, limit // 4))
         return state
 
-    def _state(self, optimizer: Optimizer) -> _OptimizerState:
+    def _state(self, optimizer: Optimizer) -> OptimizerState:
         state = self._optimizers.get(id(optimizer))
         if state is None:  # an optimizer made outside configure_optimizers: give it a record too
             state = self._optimizers[id(optimizer)] = self._new_state(len(self._optimizers), optimizer)
@@ -230,7 +161,6 @@ class OptimizerSteps:
             self.buffers.drop()
         if self._scaler is not None and module is not None and not self.buffers.taken:
             self.buffers.take(module, optimizers)
-
 
     def end_batch(self) -> None:
         """A training batch ended (manual optimization: ``training_step`` returned): one scale update. A loss whose
@@ -279,35 +209,11 @@ class OptimizerSteps:
         """One optimizer step (stages 1–8). ``hooks_and_clipping`` runs ``on_before_optimizer_step`` and clipping."""
         state = self._state(optimizer)
         plan = state.plan or self._plan(state, model)
-        if plan is _CHECK_ONLY or plan is _CHECK_ONLY_FUSED:
-            out, outcome = self._run_check_only(optimizer, state, closure, hooks_and_clipping, kwargs)
-        # (manual optimization: a closure given to opt.step() is evaluated inside the step, as Lightning does)
-        elif plan is _CLOSURE or (not model.automatic_optimization and closure is not do_nothing_closure):
-            out, outcome = self._run_with_closure(optimizer, state, closure, hooks_and_clipping, kwargs)
-        else:
-            out, outcome = self._run_general(optimizer, state, closure, hooks_and_clipping, kwargs)
+        out, outcome = plan.run(optimizer, closure, hooks_and_clipping, kwargs)
         self._finish(optimizer, state, model, outcome)
         return out
 
-    def _run_general(
-        self,
-        optimizer: Optimizer,
-        state: _OptimizerState,
-        closure: Callable[[], Any],
-        hooks_and_clipping: Callable[[], None],
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, Outcome]:
-        """The general plan: stages 1–7 in full (:meth:`prepare`, the hooks, :meth:`_step`)."""
-        closure()  # (a training_step that returned None still steps with the gradients there are, as Lightning does)
-        try:
-            self.prepare(optimizer)
-            hooks_and_clipping()  # reports through hooks_ran
-            return self._step(optimizer, state, **kwargs)
-        finally:
-            if state.stage is Stage.PREPARED:
-                self._abandon(state)  # an error inside the step
-
-    def _finish(self, optimizer: Optimizer, state: _OptimizerState, model: Any, outcome: Outcome) -> None:
+    def _finish(self, optimizer: Optimizer, state: OptimizerState, model: Any, outcome: Outcome) -> None:
         """Stage 8 and what every step ends with, whichever plan ran it: the half weights written back (skipped:
         as they were), the buffers put back on a skip, the outcome counted, the gradients released, the loss scale
         moved once the batch is over, the divergence stop."""
@@ -337,120 +243,36 @@ class OptimizerSteps:
                 self._last_loss, self._loss = self._loss, None
         self._check_divergence(model, state)
 
-    def _plan(self, state: _OptimizerState, model: LightningModule) -> str:
-        """Decide once what this optimizer's steps do (kept until the scaler or the optimizers change).
-
-        ``_CLOSURE``: the optimizer evaluates the closure itself (see :func:`evaluates_closure`), as Lightning hands
-        it over. ``_CHECK_ONLY``: the common case of a single process in a check-only mode (fp32, tf32, bf16) with fp32
-        weights, no spike guard, FP8 or large-model early check: the read-only check, the host's one answer, the
-        step or not (:meth:`_run_check_only`); ``_CHECK_ONLY_FUSED``: the same with a fused optimizer, which gets the
-        verdict as ``found_inf`` and skips on the device (no host sync). ``_GENERAL``: everything else
-        (:meth:`prepare` and :meth:`_step`).
-        """
+    def _plan(self, state: OptimizerState, model: LightningModule) -> Plan:
+        """Make once the plan of this optimizer's steps (kept until the scaler or the optimizers change; see
+        :mod:`lightning_mp.plans`): closure-taking optimizers' (:func:`evaluates_closure`); check-only for the common
+        case of one process in a check-only mode (fp32, tf32, bf16) with fp32 weights, no spike guard, FP8 or
+        large-model early check (a fused optimizer gets its verdict on the device); the general plan elsewhere."""
         optimizer, scaler = state.optimizer, self._scaler
+        plan: Plan
         if evaluates_closure(optimizer):
-            plan = _CLOSURE
-        elif (
-            scaler is not None
-            and scaler.is_enabled()
-            and not scaler.scaling
-            and not scaler.sharded
-            and not scaler.sync_across_ranks
-            and self.masters is None
-            and self.spike is None
-            and self.saturation is None
-            and not self._overlap.installed
-            and model.automatic_optimization
-        ):
+            plan = ClosurePlan(self, state)
+        elif CheckOnlyPlan.fits(self, scaler, model.automatic_optimization):
+            scaler = cast(StepGuard, scaler)  # (fits: there is one)
             fused = checks.takes_device_verdict(optimizer, scaling=False, device=scaler.scale_device)
-            plan = _CHECK_ONLY_FUSED if fused else _CHECK_ONLY
-            state.check = checks.PlannedCheck.of(optimizer)
+            plan = CheckOnlyPlan(self, state, scaler, fused)
         else:
-            plan = _GENERAL
+            plan = GeneralPlan(self, state, manual=not model.automatic_optimization)
         state.plan = plan
         return plan
 
-    def _run_check_only(
-        self,
-        optimizer: Optimizer,
-        state: _OptimizerState,
-        closure: Callable[[], Any],
-        hooks_and_clipping: Callable[[], None],
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, Outcome]:
-        """The check-only plans: stages 1–7 with nothing to gather, unscale, reduce or join."""
-        closure()
-        scaler = self._scaler
-        assert scaler is not None  # the check-only plans have one (_plan)
-        state.stage, state.dirty = Stage.PREPARED, True
-        try:
-            hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
-            if scaler.verdicts.stage(optimizer) is OptState.READY:
-                flag = self._flags.take(scaler.scale_device)  # (zeroed 64 at a time: no allocation a step)
-                check = state.check
-                if check is not None and check.count != checks.PlannedCheck.count_of(optimizer):  # add_param_group
-                    check = state.check = checks.PlannedCheck.of(optimizer)
-                found = check.found_inf(flag) if check is not None else None
-                if found is None:
-                    found = checks.check_grads_(optimizer, flag)
-            else:
-                if state.dirty:  # a configure_gradient_clipping override wrote after the norm was taken
-                    self._check(optimizer, state)
-                found = scaler.verdicts.found(optimizer)
-            if state.plan is _CHECK_ONLY_FUSED:  # the kernel skips on found_inf == 1: no host sync
-                flags = list(found.values())
-                verdict: Optional[Tensor] = checks.one_flag(flags, flags[0].device if flags else scaler.scale_device)
-                skipped: Optional[bool] = None
-                optimizer.found_inf = verdict  # type: ignore[attr-defined]
-                try:
-                    out = optimizer.step(**kwargs)
-                finally:
-                    del optimizer.found_inf  # type: ignore[attr-defined]
-            else:
-                # torch's GradScaler pays this one host sync too; its answer decides the step, counted as known
-                verdict, skipped = None, any(flag.item() for flag in found.values())
-                out = None if skipped else optimizer.step(**kwargs)
-            state.stage = Stage.STEPPED
-        finally:
-            if state.stage is Stage.PREPARED:
-                self._abandon(state)  # an error inside the step
-        return out, Outcome(skipped, verdict, skipped if skipped is not None else _as_flag(verdict, scaler))
-
-    def prepare(self, optimizer: Optimizer) -> None:
+    def prepare(self, optimizer: Optimizer, state: Optional[OptimizerState] = None) -> None:
         """READY → PREPARED: gather fp32 gradients (true-half), unscale them (fp16). Idempotent."""
-        state = self._state(optimizer)
+        state = state or self._state(optimizer)  # (the general plan hands its own)
         if state.stage is Stage.PREPARED:
             return
         # (STEPPED: manual optimization steps this optimizer again in one training step; the loss scale still
         # moves once, when the batch ends, so both steps unscale by the scale their backward used)
         scaler = self._scaler
-        check_only = scaler is not None and not scaler.scaling
-        if self.masters is not None:
-            # check-only modes: the gather's one pass over the gradients also finds inf/NaN (unless the spike guard's
-            # gradient norm is to be the check, below)
-            records = self.masters.gather(optimizer, check=check_only and self.spike is None)
-            state.records = records
-        if scaler is not None and scaler.scaling:
-            with self._standing_in(state):
-                scaler.unscale_(optimizer)
-            state.dirty = False
-        elif state.records is not None and state.records.found is not None:
-            assert scaler is not None  # found: check_only
-            state.dirty = not scaler.verdicts.take_(optimizer, state.records.found)
-        elif check_only and self.spike is not None:
-            assert scaler is not None  # check_only
-            # the spike guard needs the total gradient norm, which is inf/NaN when a gradient is: one pass for both
-            # (taken during backward for large models)
-            norm = self._overlap.verdict(optimizer) if self._overlap.installed else None
-            if norm is None:
-                with self._standing_in(state):
-                    norm = total_grad_norm(optimizer, sharded=scaler.sharded)
-            state.norm = norm
-            state.dirty = norm is None or not scaler.verdicts.take_total_(optimizer, norm)
-        else:
-            # the maxima taken during backward, where every gradient has one (large models, check-only modes)
-            early = self._overlap.verdict(optimizer) if check_only and self._overlap.installed else None
-            state.dirty = early is None or not cast(StepGuard, scaler).verdicts.take_total_(optimizer, early)
+        if self.masters is not None:  # check-only modes: the gather's pass finds inf/NaN too (but for a spike guard)
+            check = scaler is not None and not scaler.scaling and self.spike is None
+            state.records = self.masters.gather(optimizer, check=check)
+        first_verdict(self, optimizer, state, scaler)
         if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
         state.stage = Stage.PREPARED
@@ -493,7 +315,7 @@ class OptimizerSteps:
             self.scaler.verdicts.add_(optimizer, ~torch.isfinite(norm.detach()), agreed=True)  # the norm of all shards
         state.dirty = False
 
-    def _check(self, optimizer: Optimizer, state: _OptimizerState) -> None:
+    def _check(self, optimizer: Optimizer, state: OptimizerState) -> None:
         """The read-only pass over the gradients the optimizer will apply (inside :meth:`_standing_in`)."""
         scaler = self._scaler
         assert scaler is not None  # every caller has one
@@ -505,9 +327,9 @@ class OptimizerSteps:
                 scaler.verdicts.add_(optimizer, found)
         state.dirty = False
 
-    def _standing_in(self, state: _OptimizerState) -> Any:
+    def _standing_in(self, state: OptimizerState) -> Any:
         """Inside: the fp32 stand-ins hold the half parameters' places (and state) in the param groups."""
-        return self._standing_in_records(state.records)
+        return standing_in(self.masters, state.records)
 
     def main_params(self, optimizer: Optimizer) -> list[Tensor]:
         """What clipping works on: the optimizer's parameters, with fp32 stand-ins for the half ones (true-half)."""
@@ -535,71 +357,7 @@ class OptimizerSteps:
                 self._hooks_write = (hooks, is_overridden("configure_gradient_clipping", module, LightningModule))
         return self._hooks_write
 
-    def _step(self, optimizer: Optimizer, state: _OptimizerState, **kwargs: Any) -> tuple[Any, Outcome]:
-        scaler = self._scaler
-        records = state.records
-        spike = None
-        if scaler is None:
-            with self._standing_in(state):
-                out = optimizer.step(**kwargs)
-            skipped: Optional[bool] = False
-            verdict = None
-        else:
-            # one swap for the check and the step (no context manager: this runs every step)
-            if records is not None:
-                MasterWeights.swap_in(records)
-            try:
-                if state.dirty:
-                    self._check(optimizer, state)
-                if self.saturation is not None:
-                    saturated = self.saturation()  # an inf an FP8 cast made finite: skip the step too
-                    if saturated is not None:
-                        scaler.verdicts.add_(optimizer, saturated)  # (one rank's: reduced where the verdict was)
-                spike = self._spike_verdict(optimizer, state) if self.spike is not None else None
-                out, skipped = scaler.step_outcome(optimizer, **kwargs)
-            finally:
-                if records is not None:
-                    MasterWeights.swap_out(records)
-            verdict = scaler.verdicts.of(optimizer) if skipped is None else None  # (the host knows: no device flag)
-        state.stage = Stage.STEPPED
-        if scaler is None:
-            return out, Outcome(skipped, None, None, records)
-        if spike is None:  # the host's answer where it has one: a batch of host-known outcomes costs no kernel
-            known = skipped if skipped is not None else _as_flag(verdict, scaler)
-            return out, Outcome(skipped, verdict, known, records)
-        assert self.spike is not None  # spike: from the guard
-        loss, norm = spike[3], spike[2]
-        if loss is not None or norm is not None:
-            # (the host has no answer only where the scaler stepped on a device verdict)
-            self.spike.observe(loss, norm, spike[0], skipped if skipped is not None else cast(Tensor, verdict),
-                               index=state.index)
-        # the loss scale moves on the inf/NaN verdict alone: a spike is no overflow
-        return out, Outcome(skipped, verdict, spike[1], records)
-
-    def _spike_verdict(
-        self, optimizer: Optimizer, state: _OptimizerState
-    ) -> tuple[Tensor, Tensor, Optional[Tensor], Optional[Tensor]]:
-        """Inside the stand-ins' swap, after every other verdict source: whether this step is a loss or gradient-norm
-        spike against this optimizer's own window; it joins the skip verdict. Returns (spike, the inf/NaN verdict
-        alone, the gradient norm, the loss judged: what backward ran on since the last step, or, where no backward
-        ran since (two optimizers stepped from one backward), that backward's loss)."""
-        scaler = self._scaler
-        assert scaler is not None and self.spike is not None  # called from _step with both
-        inf_only = scaler.verdicts.of(optimizer)
-        if inf_only is None:
-            inf_only = checks.zero_flag(scaler.scale_device)
-        else:
-            inf_only = inf_only.reshape(()).float().clone()
-        norm = state.norm if state.norm is not None else total_grad_norm(optimizer, sharded=scaler.sharded)
-        loss = self._loss if self._loss is not None else self._last_loss
-        if loss is None and norm is None:  # nothing to judge (no backward, no gradient)
-            spike = torch.zeros((), dtype=torch.bool, device=scaler.scale_device)
-        else:
-            spike = all_ranks_agree(self.spike.decide(loss, norm, index=state.index))
-        scaler.verdicts.add_(optimizer, spike, agreed=True)
-        return spike, inf_only, norm, loss
-
-    def _abandon(self, state: _OptimizerState) -> None:
+    def _abandon(self, state: OptimizerState) -> None:
         """Drop a prepared step that never ran (an error inside it, or clipped in manual optimization and not
         stepped): the stand-ins' gradients go, the parameters keep their values, the scaler forgets it."""
         if state.records is not None:
@@ -609,79 +367,6 @@ class OptimizerSteps:
         if self.scaler is not None:
             self.scaler.verdicts.forget(state.optimizer)
         state.stage = Stage.READY
-
-    # ------------------------------------------------------------------ closure-taking optimizers
-    def _run_with_closure(
-        self,
-        optimizer: Optimizer,
-        state: _OptimizerState,
-        closure: Callable[[], Any],
-        hooks_and_clipping: Callable[[], None],
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, Outcome]:
-        """An optimizer that evaluates the closure itself (LBFGS, SAM): check every evaluation, undo if any failed.
-
-        The step runs as the optimizer wants it; every gradient it computes is checked after the hooks ran, and if
-        any was inf/NaN the parameters (and masters), the optimizer state and the buffers go back to their values
-        before the step. With master weights the optimizer steps the fp32 stand-ins; before each evaluation the
-        model's half weights take the stand-ins' values (e.g. SAM's perturbed point), after it the stand-ins take the
-        half gradients in fp32.
-        """
-        scaler = self._scaler
-        if scaler is not None and scaler.scaling:
-            raise MisconfigurationException(
-                f"MPPlugin: {type(optimizer).__name__} evaluates its closure inside step(), which cannot be combined"
-                " with a loss scale (fp16 and fp16-true), as torch's GradScaler cannot. Use precision 'fp32', 'tf32',"
-                " 'bf16' or 'bf16-true' with closure-taking optimizers."
-            )
-        # (every half parameter stands in, also one without a gradient yet: the optimizer makes them in its step)
-        records = self.masters.gather(optimizer, every=True) if self.masters is not None else None
-        standin = {id(r.param): r.standin for r in records.records} if records is not None else {}
-        model_params = [p for g in optimizer.param_groups for p in g["params"]]
-        stepped = [standin.get(id(p), p) for p in model_params]  # what the optimizer holds during the step
-        if scaler is not None:  # what a skip restores
-            saved = [t.detach().clone() for t in (*stepped, *model_params)]
-            # (an optimizer that wraps another, SAM's base_optimizer, keeps the moments there)
-            owners = [optimizer, *wrapped_optimizers(optimizer)]
-            saved_states = [copy.deepcopy(owner.state_dict()["state"]) for owner in owners]
-        bad: list[Tensor] = []
-
-        def evaluate() -> Any:
-            if records is not None:
-                with torch.no_grad():
-                    for r in records.records:
-                        r.param.copy_(r.standin)  # the closure evaluates the model where the optimizer stands
-                assert self.masters is not None  # records: gathered by the masters
-                self.masters.swap_out(records)  # its zero_grad and backward act on the model's own parameters
-            result = closure()
-            hooks_and_clipping()
-            if records is not None:
-                assert self.masters is not None  # records: gathered by the masters
-                self.masters.swap_in(records)
-                for r in records.records:
-                    r.standin.grad = None if r.param.grad is None else r.param.grad.float()
-            grads = [t.grad for t in stepped if t.grad is not None]
-            if scaler is not None and grads:
-                bad.append(~torch.isfinite(torch.stack(torch._foreach_norm(grads, math.inf)).max()))
-            return result
-
-        with self._standing_in_records(records):
-            out = optimizer.step(closure=evaluate, **kwargs)
-        skipped = bool(torch.stack(bad).any().item()) if bad else False  # one sync, as GradScaler pays
-        if skipped:
-            with torch.no_grad():
-                for t, v in zip((*stepped, *model_params), saved):
-                    t.copy_(v)
-            for owner, saved_state in zip(owners, saved_states):
-                full = owner.state_dict()
-                full["state"] = saved_state
-                with self._standing_in_records(records):
-                    owner.load_state_dict(full)
-        return out, Outcome(skipped, None, skipped if scaler is not None else None, records)
-
-    def _standing_in_records(self, records: Optional[StepRecords]) -> Any:
-        # (records: gathered by the masters)
-        return cast(MasterWeights, self.masters).stepping(records) if records is not None else contextlib.nullcontext()
 
     # ------------------------------------------------------------------ after the step
     def _update_scale(self) -> None:
@@ -694,60 +379,14 @@ class OptimizerSteps:
         state = self._optimizers.get(id(optimizer)) if optimizer is not None else None
         return False if state is None else state.stats.last_skipped
 
-    def _check_divergence(self, model: LightningModule, state: _OptimizerState) -> None:
+    def _check_divergence(self, model: LightningModule, state: OptimizerState) -> None:
         limit = self.max_consecutive_skips
         if limit is None:
             return
         consecutive = state.stats.consecutive_known()
         if consecutive is None or consecutive < limit:
             return
-        trainer = getattr(model, "_trainer", None)
-        step = trainer.global_step if trainer is not None else "?"
-        scaler = self._scaler
-        scale = scaler.get_scale() if scaler is not None and scaler.scaling else None
-        advice = (
-            "the loss scale is at its floor: check the model for values that overflow fp16, or use precision='bf16'"
-            if scale is not None and scale <= cast(DynamicLossScaler, scaler).min_scale
-            else "look for a NaN/inf in the data or the loss, lower the learning rate, or add gradient clipping"
-        )
-        which = f" of optimizer {state.index}" if len(self._optimizers) > 1 else ""
-        spikes = self.spike.spikes_in_a_row(state.index) if self.spike is not None else 0
-        if spikes:
-            assert self.spike is not None  # spikes: counted by the guard
-            advice = (
-                f"{spikes} of them were loss or gradient-norm spikes (spike_sigma={self.spike.sigma:g}, spike_window="
-                f"{self.spike.window}): the loss has moved away from its recent history for good (a data shift, a"
-                " learning rate too high); raise spike_sigma, lower the learning rate, or resume from an earlier"
-                " checkpoint and skip the batches around the spike"
-            )
-            raise NonFiniteTrainingError(
-                f"{consecutive} optimizer steps{which} in a row were skipped (limit max_consecutive_skips={limit}),"
-                f" at global step {step}. Training stopped: {advice}."
-            )
-        raise NonFiniteTrainingError(
-            f"{consecutive} optimizer steps{which} in a row had inf/NaN gradients and were skipped (limit"
-            f" max_consecutive_skips={limit}), at global step {step}"
-            + (f", loss scale {scale:g}" if scale is not None else "")
-            + f". Training stopped: {advice}. NonFiniteDetector names the module that produced it."
-        )
-
-
-def evaluates_closure(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` evaluates the closure inside ``step`` itself, so it must be handed the closure as Lightning
-    hands it over: ``LBFGS``, an optimizer whose ``step`` requires a ``closure`` argument (SAM and its kin:
-    ``def step(self, closure)``), and the sharpness-aware family that wraps a ``base_optimizer`` with its
-    ``first_step``/``second_step``. torch's other
-    optimizers evaluate the closure once, first, which is the same as evaluating it before the step."""
-    if isinstance(optimizer, LBFGS):
-        return True
-    if hasattr(optimizer, "base_optimizer") and (hasattr(optimizer, "first_step") or hasattr(optimizer, "second_step")):
-        return True  # (a Lookahead that keeps its base under that name steps it once: an ordinary optimizer)
-    try:
-        parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
-    except (TypeError, ValueError):
-        return False
-    return parameter is not None and parameter.default is inspect.Parameter.empty
-
+        raise divergence_error(self, state, model, (consecutive, limit), several=len(self._optimizers) > 1)
 
 def _release_grads(optimizer: Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)`` without its profiler record and per-group bookkeeping (a host cost
@@ -758,9 +397,3 @@ def _release_grads(optimizer: Optimizer) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             param.grad = None
-
-
-def _as_flag(verdict: Optional[Tensor], scaler: StepGuard) -> Tensor:
-    if verdict is None:
-        return checks.zero_flag(scaler.scale_device)
-    return checks.one_flag([verdict], verdict.device)  # (a fused optimizer's found_inf: itself, no dispatcher call)

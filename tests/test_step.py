@@ -11,7 +11,8 @@ from torch import nn
 from lightning_mp.nonfinite import NonfiniteGuard
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import StepStats
-from lightning_mp.step import _CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL, OptimizerSteps
+from lightning_mp.plans import _CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL
+from lightning_mp.step import OptimizerSteps
 
 
 class Net(LightningModule):
@@ -73,7 +74,7 @@ def test_plain_loop_skips_a_nan_step_bit_identically(clip):
     assert (stats.steps, stats.skipped_steps, stats.consecutive_skips) == (4, 1, 1)
     losses = _loop(steps, model, opt, _batches(1) * 40)  # one batch, learnt
     assert stats.consecutive_skips == 0 and losses[-1] < losses[0]
-    assert steps._optimizers[id(opt)].plan is _CHECK_ONLY
+    assert steps._optimizers[id(opt)].plan.kind is _CHECK_ONLY
 
 
 def test_the_plan_is_decided_once_and_again_after_a_mode_switch():
@@ -82,13 +83,13 @@ def test_the_plan_is_decided_once_and_again_after_a_mode_switch():
     steps, _ = _steps()
     steps.connect(model, [opt])
     _loop(steps, model, opt, _batches(2))
-    assert steps._optimizers[id(opt)].plan is _CHECK_ONLY
+    assert steps._optimizers[id(opt)].plan.kind is _CHECK_ONLY
     scaling = DynamicLossScaler("cpu", init_scale=2.0**8)
     scaling.ensure_initialized(torch.device("cpu"))
     steps.scaler = scaling  # fp32 -> fp16 between steps (PrecisionSchedule)
     assert steps._optimizers[id(opt)].plan is None
     _loop(steps, model, opt, _batches(2), scaler_scale=scaling.get_scale)
-    assert steps._optimizers[id(opt)].plan is _GENERAL
+    assert steps._optimizers[id(opt)].plan.kind is _GENERAL
 
 
 @pytest.mark.parametrize("device_verdict", [True, False])
@@ -103,7 +104,7 @@ def test_lbfgs_and_fused_optimizers_take_their_own_plans(device_verdict, monkeyp
     steps, stats = _steps()
     steps.connect(model, [lbfgs])
     _loop(steps, model, lbfgs, _batches(2))
-    assert steps._optimizers[id(lbfgs)].plan is _CLOSURE and stats.steps == 2
+    assert steps._optimizers[id(lbfgs)].plan.kind is _CLOSURE and stats.steps == 2
     model = Net()
     fused = torch.optim.Adam(model.parameters(), lr=1e-2, fused=True)
     steps, stats = _steps()
@@ -111,7 +112,7 @@ def test_lbfgs_and_fused_optimizers_take_their_own_plans(device_verdict, monkeyp
     before = [p.detach().clone() for p in model.parameters()]
     _loop(steps, model, fused, _batches(1, poison=0))
     # (the fused kernel skips on found_inf, or the host does not call it)
-    assert steps._optimizers[id(fused)].plan is (_CHECK_ONLY_FUSED if device_verdict else _CHECK_ONLY)
+    assert steps._optimizers[id(fused)].plan.kind is (_CHECK_ONLY_FUSED if device_verdict else _CHECK_ONLY)
     assert stats.skipped_steps == 1 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert all(int(s["step"]) == 0 for s in fused.state.values())  # Adam's step count held too
     _loop(steps, model, fused, _batches(2))
