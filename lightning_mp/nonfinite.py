@@ -14,18 +14,17 @@ reduces it inside the check, since each rank checks only its own shards.
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState
 
 import lightning_mp.verdict as verdict
-from lightning_mp.scaling import DynamicLossScaler, checked_torch_state
+from lightning_mp.scaling import DynamicLossScaler, ProtocolStates, checked_torch_state
 from lightning_mp.verdict import SKIPPED, Verdicts
 
 
-class NonfiniteGuard:
+class NonfiniteGuard(ProtocolStates):
     """Skip the optimizer steps whose gradients hold an inf or NaN; no loss scale.
 
     Example (what :class:`~lightning_mp.MPPlugin` does in bf16; in a plain loop)::
@@ -48,8 +47,7 @@ class NonfiniteGuard:
         #: FSDP: each rank checks its own shards and the verdict is reduced over the process group in the check
         self.sharded = sharded
         self._scale_device: Optional[torch.device] = None
-        #: per optimizer, torch's protocol state (``stage``, ``found_inf_per_device``), where the verdicts live
-        self._per_optimizer_states: defaultdict = defaultdict(_refresh_per_optimizer_state)
+        self.forget_all()  # (per optimizer, torch's protocol state, where the verdicts live: ProtocolStates)
         self.verdicts = Verdicts(self)
         #: with several processes, agree on the verdict (all-reduce MAX) so every rank takes the same step
         self.sync_across_ranks = False
@@ -68,12 +66,18 @@ class NonfiniteGuard:
             self._scale_device = torch.device(device)
 
     #: whether the check already gives every rank the same verdict (the sharded one reduces it)
-    verdict_agrees_across_ranks = property(lambda self: self.sharded)
-    device_type = property(lambda self: self._device)
-    scale_device = property(
-        lambda self: self._scale_device if self._scale_device is not None else torch.device(self._device),
-        doc="Where the verdicts live.",
-    )
+    @property
+    def verdict_agrees_across_ranks(self) -> bool:
+        return self.sharded
+
+    @property
+    def device_type(self) -> str:
+        return self._device
+
+    @property
+    def scale_device(self) -> torch.device:
+        """Where the verdicts live."""
+        return self._scale_device if self._scale_device is not None else torch.device(self._device)
 
     def get_scale(self) -> float:
         return 1.0
@@ -88,7 +92,7 @@ class NonfiniteGuard:
     # ------------------------------------------------------------------ the check and the step
     def check_(self, optimizer: torch.optim.Optimizer) -> None:
         """Find inf/NaN among ``optimizer``'s gradients (read-only): this step's verdict. Sharded: over every rank."""
-        state = self._per_optimizer_states[id(optimizer)]
+        state = cast(dict, self.optimizer_state(optimizer, make=True))
         if state["stage"] is not OptState.READY:
             stepped = state["stage"] is OptState.STEPPED
             raise RuntimeError("The inf/NaN check ran after step()." if stepped else
@@ -118,7 +122,7 @@ class NonfiniteGuard:
         """
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported by the inf/NaN step guard (nor by torch's GradScaler).")
-        state = self._per_optimizer_states[id(optimizer)]
+        state = cast(dict, self.optimizer_state(optimizer, make=True))
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update.")
         if state["stage"] is OptState.READY:
@@ -148,11 +152,11 @@ class NonfiniteGuard:
     def step_outcome(self, optimizer: torch.optim.Optimizer, **kwargs: Any) -> tuple[Any, Optional[bool]]:
         """:meth:`step`, and whether it skipped where the host knows (``None``: decided on the device)."""
         out = self.step(optimizer, **kwargs)
-        return out, self._per_optimizer_states[id(optimizer)].get(SKIPPED)
+        return out, cast(dict, self.optimizer_state(optimizer, make=True)).get(SKIPPED)
 
     def update(self) -> None:
         """The training batch is over: forget its verdicts (nothing moves; the step counts the outcomes)."""
-        self._per_optimizer_states.clear()
+        self.forget_all()
 
     def update_from(self, verdicts: list[torch.Tensor | bool]) -> None:
         self.update()

@@ -98,7 +98,29 @@ class ScalePolicy:
 
 
 # ---------------------------------------------------------------------- the scaler
-class DynamicLossScaler(torch.amp.GradScaler):
+class ProtocolStates:
+    """The one door to torch's per-optimizer protocol state (``stage``, ``found_inf_per_device``; and the outcome the
+    host knows, :data:`~lightning_mp.verdict.SKIPPED`), where a step's verdict lives: for the loss scaler, whose torch
+    base keeps it, and for the step guard of the modes without a loss scale, which keeps the same layout."""
+
+    _per_optimizer_states: dict[int, dict[str, Any]]
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer, make: bool = False) -> Optional[dict]:
+        """``optimizer``'s protocol state (made where ``make``; else ``None`` where it has none)."""
+        states = self._per_optimizer_states
+        return states[id(optimizer)] if make else states.get(id(optimizer))
+
+    def optimizer_states(self) -> list[dict]:
+        return list(self._per_optimizer_states.values())
+
+    def forget_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self._per_optimizer_states.pop(id(optimizer), None)
+
+    def forget_all(self) -> None:
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+class DynamicLossScaler(ProtocolStates, torch.amp.GradScaler):
     """A ``torch.amp.GradScaler`` with hysteresis, a min/max scale and skip counters.
 
     Example::
@@ -200,7 +222,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self._enabled and self._scale is None:
             self._lazy_init_scale_growth_tracker(device)
 
-    initialized = property(lambda self: self._scale is not None)
+    @property
+    def initialized(self) -> bool:
+        return self._scale is not None
 
     def counts_from(self, stats: StepStats) -> None:
         """Count nothing here: the counts are the plugin's ``stats`` (skips are counted in one place)."""
@@ -318,10 +342,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.update()
 
     # ------------------------------------------------------------------ counts (each read syncs)
-    steps = property(lambda self: self.skips.value(0))
-    skipped_steps = property(lambda self: self.skips.value(1))
-    consecutive_skips = property(lambda self: self.skips.value(2))
-    last_skipped = property(lambda self: bool(self.skips.value(3)))
+    @property
+    def steps(self) -> int:
+        return self.skips.value(0)
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.skips.value(1)
+
+    @property
+    def consecutive_skips(self) -> int:
+        return self.skips.value(2)
+
+    @property
+    def last_skipped(self) -> bool:
+        return bool(self.skips.value(3))
 
     def counters_tensor(self) -> Optional[torch.Tensor]:
         """The device tensor ``[steps, skipped_steps, consecutive_skips, last_skipped]`` (no sync)."""
@@ -374,11 +409,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
         state["_init_hysteresis_tracker"] = self._init_hysteresis_tracker if tracker is None else int(tracker.item())
         return {**state, "_hysteresis_tracker": None}
 
-    device_type = property(lambda self: self._device)
-    scale_device = property(
-        lambda self: self._scale.device if self._scale is not None else torch.device(self._device),
-        doc="Where the scale and the verdicts live.",
-    )
+    @property
+    def device_type(self) -> str:
+        return self._device
+
+    @property
+    def scale_device(self) -> torch.device:
+        """Where the scale and the verdicts live."""
+        return self._scale.device if self._scale is not None else torch.device(self._device)
 
 
 _GRAD_SCALER_ARGUMENT: dict[type, bool] = {}

@@ -346,21 +346,21 @@ class Verdicts:
 
     def stage(self, optimizer: torch.optim.Optimizer) -> OptState:
         """This optimizer's place in torch's protocol since its last step (READY, UNSCALED, STEPPED)."""
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        state = self.scaler.optimizer_state(optimizer)
         return OptState.READY if state is None else state["stage"]
 
     def forget(self, optimizer: torch.optim.Optimizer) -> None:
         """This optimizer's step is over (or abandoned); the scale moves once per batch, from the step's verdicts."""
-        self.scaler._per_optimizer_states.pop(id(optimizer), None)
+        self.scaler.forget_optimizer(optimizer)
 
     def found(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """This step's verdict for ``optimizer``, a flag per device (empty: none set)."""
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        state = self.scaler.optimizer_state(optimizer)
         return {} if state is None else state["found_inf_per_device"]
 
     def of(self, optimizer: torch.optim.Optimizer) -> Optional[torch.Tensor]:
         """This step's verdict for ``optimizer`` as one device flag (``None``: none set; valid until the update)."""
-        state = self.scaler._per_optimizer_states.get(id(optimizer))
+        state = self.scaler.optimizer_state(optimizer)
         found = list(state["found_inf_per_device"].values()) if state is not None else []
         if not found:
             return None
@@ -371,7 +371,7 @@ class Verdicts:
         scaler = self.scaler
         if not scaler.is_enabled() or scaler.scaling:
             return None
-        state = scaler._per_optimizer_states[id(optimizer)]
+        state = scaler.optimizer_state(optimizer, make=True)
         return state if state["stage"] is OptState.READY else None
 
     def take_(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> bool:
@@ -404,7 +404,7 @@ class Verdicts:
         scaler = self.scaler
         if not scaler.is_enabled():
             return
-        state = scaler._per_optimizer_states[id(optimizer)]
+        state = scaler.optimizer_state(optimizer, make=True)
         if state["stage"] is OptState.READY:
             raise RuntimeError("Verdicts.add_() must follow unscale_() (or the check) for this optimizer.")
         bad = (flag.detach().reshape(()) > 0).float()
