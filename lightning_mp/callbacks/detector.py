@@ -366,7 +366,7 @@ class NonFiniteDetector(Callback):
             or self.dump_dir is not None
             or rec.skipped_here
             or self._batches % self.check_every_n_steps == 0
-            or self._plugin_says_skipped(trainer)
+            or _plugin_says_skipped(trainer)
         )
         if read:
             self._check(trainer)
@@ -384,33 +384,12 @@ class NonFiniteDetector(Callback):
             self._pending.append(rec)
         return rec
 
-    def _nonfinite_weights(self, name: str) -> list[str]:
-        """The module's own parameters and buffers that hold inf/NaN (read only while reporting a finding)."""
-        root = self._root() if self._root is not None else None
-        if root is None:
-            return []
-        try:
-            module = root.get_submodule(name)
-        except AttributeError:
-            return []
-        prefix = f"{name}." if name else ""
-        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        return [prefix + n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())]
-
     def _param_name(self, trainer: Trainer, param: Tensor) -> str:
         name = self._param_names.get(id(param))
         if name is None:  # MPPlugin's fp32 stand-in of a half parameter, inside the step
             stats = getattr(trainer.precision_plugin, "stats", None)
             name = stats.name_of(param) if isinstance(stats, StepStats) else None
         return name or "?"
-
-    @staticmethod
-    def _plugin_says_skipped(trainer: Trainer) -> bool:
-        stats = getattr(trainer.precision_plugin, "stats", None)
-        if not isinstance(stats, StepStats):
-            return False
-        # MPPlugin knows the verdict on the host after a non-fused step; never sync for it here
-        return stats.skipped_known() is True
 
     # ------------------------------------------------------------------ reading and reporting
     def _check(self, trainer: Trainer, stopping: bool = False) -> None:
@@ -419,13 +398,13 @@ class NonFiniteDetector(Callback):
         found, found_rec = self._first_report(pending, trainer)
         world = trainer.world_size
         if self.action == "raise" and world > 1 and not stopping:
-            self._raise_if_another_rank_found(trainer, found)
+            _raise_if_another_rank_found(trainer, found)
         if found is None or self._folded_into_last(found):
             return
         self._last_step_seen = found.step
-        found.message = self._message(found, world)
+        found.message = _format_message(found, world, self._root_type)
         if self.dump_dir is not None:
-            found.dump_path = self._dump(found, found_rec)
+            found.dump_path = _dump_report(self.dump_dir, self._names, found, found_rec)
             if found.dump_path:
                 found.message += f"\n  dumped the batch and the modules' inputs to {found.dump_path}"
         self.reports.append(found)
@@ -448,16 +427,6 @@ class NonFiniteDetector(Callback):
                 report.later_batches = len(bad) - i - 1
                 return report, rec
         return None, None
-
-    @staticmethod
-    def _raise_if_another_rank_found(trainer: Trainer, found: Optional[NonFiniteReport]) -> None:
-        """Every rank stops together: a rank whose own data stayed finite raises too."""
-        any_found = trainer.strategy.reduce_boolean_decision(found is not None, all=False)
-        if any_found and found is None:
-            raise NonFiniteTrainingError(
-                f"NonFiniteDetector: another rank found inf/NaN values (global step {trainer.global_step});"
-                " its error names the module."
-            )
 
     def _folded_into_last(self, found: NonFiniteReport) -> bool:
         """Whether ``found`` repeats the last report in the next batches (e.g. the weights are NaN now): then it is
@@ -483,12 +452,13 @@ class NonFiniteDetector(Callback):
             return None
         if first_fwd is None and self._is_scaler_overflow(rec, bwd, par, first_bwd, first_par):
             return None  # the loss scaler's own overflow: it skips the step and lowers the scale
-        forward = self._forward_finding(rec, fwd, first_fwd) if first_fwd is not None else None
+        describer = _Describer(self._names, self._types, self._root_type, self._root, self.track_inputs)
+        forward = describer.forward_finding(rec, fwd, first_fwd) if first_fwd is not None else None
         backward = None
         if first_bwd is not None:
-            backward = self._backward_finding(rec, fwd, bwd, first_bwd)
+            backward = describer.backward_finding(rec, fwd, bwd, first_bwd)
         elif first_par is not None:
-            backward = self._param_grad_finding(rec.par_names[first_par], par[first_par])
+            backward = describer.param_grad_finding(rec.par_names[first_par], par[first_par])
         if forward is not None and backward is not None:
             backward.explanation += "; the forward pass was already non-finite, which explains it"
         bad_params = [rec.par_names[i] for i, v in enumerate(par) if not math.isfinite(v)]
@@ -511,201 +481,6 @@ class NonFiniteDetector(Callback):
             return False
         first_grad = bwd[first_bwd] if first_bwd is not None else par[cast(int, first_par)]  # (one is set)
         return math.isinf(first_grad)
-
-    def _param_grad_finding(self, name: str, value: float) -> TensorFinding:
-        """The finding of a non-finite parameter gradient while every checked activation gradient was finite."""
-        owner = name.rsplit(".", 1)[0] if "." in name else ""
-        return TensorFinding(
-            module=owner,
-            module_type=self._type_of_name(owner),
-            tensor=f"gradient of parameter {name}",
-            shape=None,
-            dtype=None,
-            value=_kind(value),
-            explanation=(
-                "every checked activation gradient was finite: the backward of "
-                f"{_display(owner, self._root_type)} computed it, or code after backward (on_after_backward,"
-                " gradient hooks, an earlier accumulation micro-batch) changed it"
-            ),
-        )
-
-    def _forward_finding(self, rec: _BatchRecord, fwd: list[float], i: int) -> TensorFinding:
-        kind, call, k = rec.fwd_events[i]
-        value = _kind(fwd[i])
-        if kind == "batch":
-            return TensorFinding(
-                None, None, "batch", None, None, value, explanation=f"tensor {k} of the batch holds inf/NaN"
-            )
-        if kind == "loss":
-            return TensorFinding(
-                None, None, "loss", [], None, value,
-                explanation="training_step's loss is non-finite while every watched module output was finite: "
-                "the code that computes the loss from the model's output produced it",
-            )
-        index, inputs, outputs = rec.calls[call]
-        name = self._names[index]
-        infos = outputs if kind == "output" else inputs
-        shape, dtype, _ = infos[k]
-        input_stats = [
-            {"shape": list(s), "dtype": str(d), "absmax": None if slot is None else fwd[slot]} for s, d, slot in inputs
-        ]
-        if call in rec.held:
-            for stats, (t, version) in zip(input_stats, rec.held[call]):
-                stats.update(_tensor_stats(t))
-                if t._version != version:
-                    stats["modified_in_place"] = True
-        if kind == "output":
-            unknown = any(s["absmax"] is None for s in input_stats)
-            poisoned = self._nonfinite_weights(name)
-            explanation = (
-                f"{_display(name, self._root_type)} produced it from finite inputs"
-                if not unknown
-                else f"{_display(name, self._root_type)} produced it (some inputs were not checked: track_inputs=False)"
-            )
-            if poisoned:
-                explanation = (
-                    f"{_display(name, self._root_type)}'s own weights are non-finite ({', '.join(poisoned[:4])}):"
-                    " an earlier step applied a non-finite update, or they were loaded or written so"
-                )
-        else:
-            parent = name.rsplit(".", 1)[0] if "." in name else ""
-            explanation = (
-                f"the input arrived non-finite: code outside the watched modules (in the forward of "
-                f"{_display(parent, self._root_type)}) produced it before {_display(name, self._root_type)} ran"
-            )
-        return TensorFinding(
-            module=name,
-            module_type=self._types[index],
-            tensor=f"{kind} {k}",
-            shape=list(shape),
-            dtype=str(dtype),
-            value=value,
-            inputs=input_stats,
-            explanation=explanation,
-        )
-
-    def _backward_finding(self, rec: _BatchRecord, fwd: list[float], bwd: list[float], j: int) -> TensorFinding:
-        kind, call, k = rec.bwd_events[j]
-        index, inputs, outputs = rec.calls[call]
-        name = self._names[index]
-        shape, dtype, _ = (outputs if kind == "output" else inputs)[k]
-        where = f"gradient of {kind} {k} of {_display(name, self._root_type)}"
-        culprit: Optional[str]
-        culprit_type: Optional[str]
-        culprit, culprit_type = name, self._types[index]
-        if j == 0:
-            culprit, culprit_type = None, None
-            explanation = (
-                f"the first gradient checked in backward, the {where}, was already non-finite: the backward of the"
-                " loss computation (training_step's code after the last watched module) produced it"
-            )
-        else:
-            prev_kind, prev_call, prev_k = rec.bwd_events[j - 1]
-            prev_index = rec.calls[prev_call][0]
-            prev_name = self._names[prev_index]
-            if prev_kind == "output":
-                culprit, culprit_type = prev_name, self._types[prev_index]
-                explanation = (
-                    f"the backward of {_display(prev_name, self._root_type)} produced it: the gradient of its output"
-                    f" was finite and the next gradient checked, the {where}, was not"
-                    + ("" if self.track_inputs else " (or code between them: track_inputs=False)")
-                )
-            else:
-                parent = prev_name.rsplit(".", 1)[0] if "." in prev_name else ""
-                culprit, culprit_type = parent, self._type_of_name(parent)
-                explanation = (
-                    f"code between the watched modules produced it, in the backward of the forward code of "
-                    f"{_display(parent, self._root_type)}: the gradient of input {prev_k} of"
-                    f" {_display(prev_name, self._root_type)} was finite and the next gradient checked, the {where},"
-                    " was not"
-                )
-        input_stats = []
-        if culprit is not None and culprit in self._names:
-            for c, (idx, ins, _) in enumerate(rec.calls):
-                if self._names[idx] == culprit:
-                    input_stats = [
-                        {"shape": list(s), "dtype": str(d), "absmax": None if slot is None else fwd[slot]}
-                        for s, d, slot in ins
-                    ]
-                    if c in rec.held:
-                        for stats, (t, _) in zip(input_stats, rec.held[c]):
-                            stats.update(_tensor_stats(t))
-                    break
-        return TensorFinding(
-            module=culprit,
-            module_type=culprit_type,
-            tensor=f"gradient of {kind} {k} of `{name or self._root_type}`",
-            shape=list(shape),
-            dtype=str(dtype),
-            value=_kind(bwd[j]),
-            inputs=input_stats,
-            explanation=explanation,
-        )
-
-    def _type_of_name(self, name: str) -> Optional[str]:
-        if name in self._names:
-            return self._types[self._names.index(name)]
-        return self._root_type if name == "" else None
-
-    def _message(self, report: NonFiniteReport, world: int) -> str:
-        rank = f"[rank {report.rank}] " if world > 1 else ""
-        lines = [
-            f"{rank}NonFiniteDetector: inf/NaN at global step {report.step}"
-            f" (epoch {report.epoch}, batch {report.batch_idx})"
-        ]
-        for label, finding in (("forward: ", report.forward), ("backward:", report.backward)):
-            if finding is None:
-                lines.append(f"  {label} every checked value was finite")
-                continue
-            tensor = finding.tensor
-            if finding.shape is not None and finding.dtype is not None:
-                tensor += f" {finding.shape} {finding.dtype}"
-            head = f"the {tensor}" if finding.module is None else (
-                f"{_display(finding.module, self._root_type)} ({finding.module_type}): {tensor}"
-            )
-            lines.append(f"  {label} {head} is {'NaN' if finding.value == 'nan' else finding.value}:"
-                         f" {finding.explanation}")
-            if finding.inputs:
-                described = "; ".join(
-                    f"#{i} {s['shape']} {s['dtype']} max|x|="
-                    + ("unchecked" if s.get("absmax") is None else f"{s['absmax']:.4g}")
-                    + (
-                        f" min={s['min']:.4g} max={s['max']:.4g} mean={s['mean']:.4g} std={s['std']:.4g}"
-                        if "mean" in s
-                        else ""
-                    )
-                    + (f" non-finite={s['nonfinite']}" if s.get("nonfinite") else "")
-                    for i, s in enumerate(finding.inputs)
-                )
-                lines.append(f"            its inputs: {described}")
-        if report.nonfinite_params:
-            lines.append(f"  parameters with non-finite gradients: {', '.join(report.nonfinite_params)}")
-        if report.later_batches:
-            lines.append(f"  ({report.later_batches} later batch(es) since the last check were non-finite too)")
-        return "\n".join(lines)
-
-    def _dump(self, report: NonFiniteReport, rec: Optional[_BatchRecord]) -> Optional[str]:
-        if rec is None or self.dump_dir is None or (rec.batch is None and not rec.held):
-            return None
-
-        def inputs_of(module: Optional[str]) -> list[Tensor]:
-            if module is None:
-                return []
-            for c, (idx, _, _) in enumerate(rec.calls):
-                if self._names[idx] == module and c in rec.held:
-                    return [t.detach().cpu() for t, _ in rec.held[c]]
-            return []
-
-        payload = {
-            "report": report.as_dict(),
-            "batch": apply_to_collection(rec.batch, Tensor, lambda t: t.detach().cpu()),
-            "forward_module_inputs": inputs_of(report.forward.module if report.forward else None),
-            "backward_module_inputs": inputs_of(report.backward.module if report.backward else None),
-        }
-        os.makedirs(self.dump_dir, exist_ok=True)
-        path = os.path.join(self.dump_dir, f"nonfinite_step{report.step}_rank{report.rank}.pt")
-        torch.save(payload, path)
-        return path
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -831,3 +606,247 @@ def _tensor_stats(t: Tensor) -> dict[str, Any]:
                 std=float(values.std()) if values.numel() > 1 else 0.0,
             )
         return stats
+
+
+def _plugin_says_skipped(trainer: Trainer) -> bool:
+    stats = getattr(trainer.precision_plugin, "stats", None)
+    if not isinstance(stats, StepStats):
+        return False
+    # MPPlugin knows the verdict on the host after a non-fused step; never sync for it here
+    return stats.skipped_known() is True
+
+
+def _raise_if_another_rank_found(trainer: Trainer, found: Optional[NonFiniteReport]) -> None:
+    """Every rank stops together: a rank whose own data stayed finite raises too."""
+    any_found = trainer.strategy.reduce_boolean_decision(found is not None, all=False)
+    if any_found and found is None:
+        raise NonFiniteTrainingError(
+            f"NonFiniteDetector: another rank found inf/NaN values (global step {trainer.global_step});"
+            " its error names the module."
+        )
+
+
+class _Describer:
+    """Puts a non-finite batch's figures into words: which module, which tensor, and why (host side, read only
+    while reporting)."""
+
+    def __init__(
+        self, names: list[str], types: list[str], root_type: str, root: Optional[Any], track_inputs: bool
+    ) -> None:
+        self._names, self._types, self._root_type = names, types, root_type
+        self._root = root  # a weak reference to the LightningModule
+        self.track_inputs = track_inputs
+
+    def param_grad_finding(self, name: str, value: float) -> TensorFinding:
+        """The finding of a non-finite parameter gradient while every checked activation gradient was finite."""
+        owner = name.rsplit(".", 1)[0] if "." in name else ""
+        return TensorFinding(
+            module=owner,
+            module_type=self.type_of_name(owner),
+            tensor=f"gradient of parameter {name}",
+            shape=None,
+            dtype=None,
+            value=_kind(value),
+            explanation=(
+                "every checked activation gradient was finite: the backward of "
+                f"{_display(owner, self._root_type)} computed it, or code after backward (on_after_backward,"
+                " gradient hooks, an earlier accumulation micro-batch) changed it"
+            ),
+        )
+
+    def forward_finding(self, rec: _BatchRecord, fwd: list[float], i: int) -> TensorFinding:
+        kind, call, k = rec.fwd_events[i]
+        value = _kind(fwd[i])
+        if kind == "batch":
+            return TensorFinding(
+                None, None, "batch", None, None, value, explanation=f"tensor {k} of the batch holds inf/NaN"
+            )
+        if kind == "loss":
+            return TensorFinding(
+                None, None, "loss", [], None, value,
+                explanation="training_step's loss is non-finite while every watched module output was finite: "
+                "the code that computes the loss from the model's output produced it",
+            )
+        index, inputs, outputs = rec.calls[call]
+        name = self._names[index]
+        infos = outputs if kind == "output" else inputs
+        shape, dtype, _ = infos[k]
+        input_stats = [
+            {"shape": list(s), "dtype": str(d), "absmax": None if slot is None else fwd[slot]} for s, d, slot in inputs
+        ]
+        if call in rec.held:
+            for stats, (t, version) in zip(input_stats, rec.held[call]):
+                stats.update(_tensor_stats(t))
+                if t._version != version:
+                    stats["modified_in_place"] = True
+        if kind == "output":
+            unknown = any(s["absmax"] is None for s in input_stats)
+            poisoned = self.nonfinite_weights(name)
+            explanation = (
+                f"{_display(name, self._root_type)} produced it from finite inputs"
+                if not unknown
+                else f"{_display(name, self._root_type)} produced it (some inputs were not checked: track_inputs=False)"
+            )
+            if poisoned:
+                explanation = (
+                    f"{_display(name, self._root_type)}'s own weights are non-finite ({', '.join(poisoned[:4])}):"
+                    " an earlier step applied a non-finite update, or they were loaded or written so"
+                )
+        else:
+            parent = name.rsplit(".", 1)[0] if "." in name else ""
+            explanation = (
+                f"the input arrived non-finite: code outside the watched modules (in the forward of "
+                f"{_display(parent, self._root_type)}) produced it before {_display(name, self._root_type)} ran"
+            )
+        return TensorFinding(
+            module=name,
+            module_type=self._types[index],
+            tensor=f"{kind} {k}",
+            shape=list(shape),
+            dtype=str(dtype),
+            value=value,
+            inputs=input_stats,
+            explanation=explanation,
+        )
+
+    def backward_finding(self, rec: _BatchRecord, fwd: list[float], bwd: list[float], j: int) -> TensorFinding:
+        kind, call, k = rec.bwd_events[j]
+        index, inputs, outputs = rec.calls[call]
+        name = self._names[index]
+        shape, dtype, _ = (outputs if kind == "output" else inputs)[k]
+        where = f"gradient of {kind} {k} of {_display(name, self._root_type)}"
+        culprit: Optional[str]
+        culprit_type: Optional[str]
+        culprit, culprit_type = name, self._types[index]
+        if j == 0:
+            culprit, culprit_type = None, None
+            explanation = (
+                f"the first gradient checked in backward, the {where}, was already non-finite: the backward of the"
+                " loss computation (training_step's code after the last watched module) produced it"
+            )
+        else:
+            prev_kind, prev_call, prev_k = rec.bwd_events[j - 1]
+            prev_index = rec.calls[prev_call][0]
+            prev_name = self._names[prev_index]
+            if prev_kind == "output":
+                culprit, culprit_type = prev_name, self._types[prev_index]
+                explanation = (
+                    f"the backward of {_display(prev_name, self._root_type)} produced it: the gradient of its output"
+                    f" was finite and the next gradient checked, the {where}, was not"
+                    + ("" if self.track_inputs else " (or code between them: track_inputs=False)")
+                )
+            else:
+                parent = prev_name.rsplit(".", 1)[0] if "." in prev_name else ""
+                culprit, culprit_type = parent, self.type_of_name(parent)
+                explanation = (
+                    f"code between the watched modules produced it, in the backward of the forward code of "
+                    f"{_display(parent, self._root_type)}: the gradient of input {prev_k} of"
+                    f" {_display(prev_name, self._root_type)} was finite and the next gradient checked, the {where},"
+                    " was not"
+                )
+        input_stats = []
+        if culprit is not None and culprit in self._names:
+            for c, (idx, ins, _) in enumerate(rec.calls):
+                if self._names[idx] == culprit:
+                    input_stats = [
+                        {"shape": list(s), "dtype": str(d), "absmax": None if slot is None else fwd[slot]}
+                        for s, d, slot in ins
+                    ]
+                    if c in rec.held:
+                        for stats, (t, _) in zip(input_stats, rec.held[c]):
+                            stats.update(_tensor_stats(t))
+                    break
+        return TensorFinding(
+            module=culprit,
+            module_type=culprit_type,
+            tensor=f"gradient of {kind} {k} of `{name or self._root_type}`",
+            shape=list(shape),
+            dtype=str(dtype),
+            value=_kind(bwd[j]),
+            inputs=input_stats,
+            explanation=explanation,
+        )
+
+    def type_of_name(self, name: str) -> Optional[str]:
+        if name in self._names:
+            return self._types[self._names.index(name)]
+        return self._root_type if name == "" else None
+
+    def nonfinite_weights(self, name: str) -> list[str]:
+        """The module's own parameters and buffers that hold inf/NaN (read only while reporting a finding)."""
+        root = self._root() if self._root is not None else None
+        if root is None:
+            return []
+        try:
+            module = root.get_submodule(name)
+        except AttributeError:
+            return []
+        prefix = f"{name}." if name else ""
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        return [prefix + n for n, t in tensors if t.is_floating_point() and not bool(torch.isfinite(_local(t)).all())]
+
+
+def _format_message(report: NonFiniteReport, world: int, root_type: str) -> str:
+    """The report in words: the warning's or the error's text."""
+    rank = f"[rank {report.rank}] " if world > 1 else ""
+    lines = [
+        f"{rank}NonFiniteDetector: inf/NaN at global step {report.step}"
+        f" (epoch {report.epoch}, batch {report.batch_idx})"
+    ]
+    for label, finding in (("forward: ", report.forward), ("backward:", report.backward)):
+        if finding is None:
+            lines.append(f"  {label} every checked value was finite")
+            continue
+        tensor = finding.tensor
+        if finding.shape is not None and finding.dtype is not None:
+            tensor += f" {finding.shape} {finding.dtype}"
+        head = f"the {tensor}" if finding.module is None else (
+            f"{_display(finding.module, root_type)} ({finding.module_type}): {tensor}"
+        )
+        lines.append(f"  {label} {head} is {'NaN' if finding.value == 'nan' else finding.value}:"
+                     f" {finding.explanation}")
+        if finding.inputs:
+            described = "; ".join(
+                f"#{i} {s['shape']} {s['dtype']} max|x|="
+                + ("unchecked" if s.get("absmax") is None else f"{s['absmax']:.4g}")
+                + (
+                    f" min={s['min']:.4g} max={s['max']:.4g} mean={s['mean']:.4g} std={s['std']:.4g}"
+                    if "mean" in s
+                    else ""
+                )
+                + (f" non-finite={s['nonfinite']}" if s.get("nonfinite") else "")
+                for i, s in enumerate(finding.inputs)
+            )
+            lines.append(f"            its inputs: {described}")
+    if report.nonfinite_params:
+        lines.append(f"  parameters with non-finite gradients: {', '.join(report.nonfinite_params)}")
+    if report.later_batches:
+        lines.append(f"  ({report.later_batches} later batch(es) since the last check were non-finite too)")
+    return "\n".join(lines)
+
+
+def _dump_report(
+    dump_dir: Optional[str], names: list[str], report: NonFiniteReport, rec: Optional[_BatchRecord]
+) -> Optional[str]:
+    """Save the batch and the named modules' inputs (``dump_dir``); the file's path."""
+    if rec is None or dump_dir is None or (rec.batch is None and not rec.held):
+        return None
+
+    def inputs_of(module: Optional[str]) -> list[Tensor]:
+        if module is None:
+            return []
+        for c, (idx, _, _) in enumerate(rec.calls):
+            if names[idx] == module and c in rec.held:
+                return [t.detach().cpu() for t, _ in rec.held[c]]
+        return []
+
+    payload = {
+        "report": report.as_dict(),
+        "batch": apply_to_collection(rec.batch, Tensor, lambda t: t.detach().cpu()),
+        "forward_module_inputs": inputs_of(report.forward.module if report.forward else None),
+        "backward_module_inputs": inputs_of(report.backward.module if report.backward else None),
+    }
+    os.makedirs(dump_dir, exist_ok=True)
+    path = os.path.join(dump_dir, f"nonfinite_step{report.step}_rank{report.rank}.pt")
+    torch.save(payload, path)
+    return path
