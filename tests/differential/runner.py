@@ -255,7 +255,7 @@ class Side:
         if program.master_weights is not None:
             kwargs["master_weights"] = program.master_weights
         if program.guards == "off":
-            kwargs["fp32_modules"] = []
+            kwargs["fp32_modules"] = ()  # (a tuple: a Side is hashable; made a list for MPPlugin)
         if program.mode in SCALED:
             kwargs["init_scale"] = INIT_SCALE
         kwargs.update(overrides)
@@ -263,7 +263,8 @@ class Side:
 
     def trainer_kwargs(self, program: Program) -> dict[str, Any]:
         if self.lightning is None:
-            return {"plugins": [MPPlugin(program.mode, **dict(self.plugin))]}
+            kwargs = {k: list(v) if isinstance(v, tuple) else v for k, v in self.plugin}
+            return {"plugins": [MPPlugin(program.mode, **kwargs)]}
         if self.lightning == "16-mixed":  # Lightning's fp16 with our initial scale (its own default is 2**16)
             scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
             return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
