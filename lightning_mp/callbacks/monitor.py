@@ -291,16 +291,7 @@ class PrecisionMonitor(Callback):
         self._every = self.log_every_n_steps if self.log_every_n_steps is not None else every
         self._names, self._modules = [], []
         if self.layer_stats:
-            for name, module in pl_module.named_modules():
-                if module is pl_module:
-                    continue
-                if self._layer_pattern is not None:
-                    chosen = self._layer_pattern.search(name) is not None
-                else:
-                    chosen = next(module.parameters(recurse=False), None) is not None
-                if chosen:
-                    self._names.append(name)
-                    self._modules.append(module)
+            self._names, self._modules = _choose_layers(pl_module, self._layer_pattern)
             if not self._names:
                 rank_zero_warn(
                     "PrecisionMonitor(layer_stats=True) found no layers to report"
@@ -321,29 +312,18 @@ class PrecisionMonitor(Callback):
         self._remove_hooks()
         if self.plot is None or not trainer.is_global_zero:
             return
-        why = self._nothing_to_draw(trainer)
+        why = _nothing_to_draw(self.history, self._every, trainer)
         if why is not None:
             rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) drew nothing: {why}.")
             return
         try:
-            self._draw(self.plot)
+            _draw(self.history, self.plot)
         except (ImportError, OSError) as err:
             rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) could not write the plot: {err}")
             return
         rank_zero_info(
             f"PrecisionMonitor: plotted the loss scale and skipped steps of {len(self.history)} logging steps"
             f" to {self.plot}"
-        )
-
-    def _nothing_to_draw(self, trainer: Trainer) -> Optional[str]:
-        """Why the plot would be empty, or ``None`` when there is something to draw."""
-        if self.history:
-            return None
-        if self._every <= 0:
-            return "logging is off (the Trainer's log_every_n_steps=0); set PrecisionMonitor(log_every_n_steps=N)"
-        return (
-            f"no logging step ran: fit made {trainer.global_step} optimizer steps and the monitor logs every"
-            f" {self._every}; pass a smaller log_every_n_steps"
         )
 
     @override
@@ -391,7 +371,7 @@ class PrecisionMonitor(Callback):
             self._grad_norm = norm if self._grad_norm is None else torch.sqrt(self._grad_norm**2 + norm**2)
         self._sharded = _grads_are_sharded(trainer)
         if self._names:
-            self._layer_grads(seen_scale, scale)
+            _layer_grads(self._modules, self._grad, seen_scale, scale)
 
     @override
     def on_train_batch_end(
@@ -416,8 +396,8 @@ class PrecisionMonitor(Callback):
         scalars, maxima, sums = self._agree(counts, self._skip_rate(counts), grad_norm)
         self._act.clear()
         self._grad.clear()
-        figures = self._scalar_figures(scalars, counts, grad_norm is not None)
-        figures.update(self._layer_figures(maxima, sums))
+        figures = _scalar_figures(scalars, counts, grad_norm is not None)
+        figures.update(_layer_figures(self._names, maxima, sums, self._grad_scale_used))
         self.last = figures
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning logs this step's metrics
         self.history.append(
@@ -469,7 +449,7 @@ class PrecisionMonitor(Callback):
         )
         scalars = torch.tensor(local, dtype=torch.float64, device=device)
         norm_at = SCALAR_NAMES.index("grad_norm")
-        maxima, sums = self._layer_vectors(device)
+        maxima, sums = _layer_vectors(len(self._names), self._act, self._grad, device)
         squares = torch.zeros(1, dtype=torch.float64, device=device)
         if grad_norm is not None:
             norm = grad_norm.to(device=device, dtype=torch.float64)
@@ -490,34 +470,6 @@ class PrecisionMonitor(Callback):
             _LayerCounts(*_per_layer(values[n_scalars + n_maxima :], len(_LayerCounts._fields))),
         )
 
-    @staticmethod
-    def _scalar_figures(scalars: _Scalars, counts: _Counts, has_grad_norm: bool) -> dict[str, float]:
-        present = {
-            "loss_scale": counts.loss_scale is not None,
-            "grad_norm": has_grad_norm,
-            "spike_skips": counts.spike_skips is not None,  # the loss-spike guard is on
-        }
-        return {
-            f"precision/{name}": int(value) if name in INTEGER_SCALARS else value
-            for name, value in scalars._asdict().items()
-            if present.get(name, True)
-        }
-
-    def _layer_figures(self, maxima: _LayerMaxima, sums: _LayerCounts) -> dict[str, float]:
-        figures: dict[str, float] = {}
-        scale = self._grad_scale_used
-        for i, layer in enumerate(self._names):
-            if sums.act_numel[i] > 0:
-                figures[f"precision/act_absmax/{layer}"] = maxima.act_absmax[i]
-                figures[f"precision/act_headroom/{layer}"] = _headroom(maxima.act_absmax[i])
-                figures[f"precision/act_nonfinite/{layer}"] = sums.act_nonfinite[i] / sums.act_numel[i]
-            if sums.grad_numel[i] > 0:
-                figures[f"precision/grad_absmax/{layer}"] = maxima.grad_absmax[i]
-                figures[f"precision/grad_headroom/{layer}"] = _headroom(maxima.grad_absmax[i] * scale)
-                figures[f"precision/grad_underflow/{layer}"] = sums.grad_underflow[i] / sums.grad_numel[i]
-                figures[f"precision/grad_nonfinite/{layer}"] = sums.grad_nonfinite[i] / sums.grad_numel[i]
-        return figures
-
     # ------------------------------------------------------------------ per-layer figures (logging steps only)
     def _forward_hook(self, index: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -527,66 +479,12 @@ class PrecisionMonitor(Callback):
 
         return hook
 
-    def _layer_grads(self, seen_scale: float, scale: float) -> None:
-        # |g_true| * scale < tiny  <=>  |g_seen| < tiny * seen_scale / scale
-        threshold = FP16_TINY * seen_scale / scale
-        with torch.no_grad():
-            for i, module in enumerate(self._modules):
-                grads = [_local(p.grad) for p in module.parameters(recurse=False) if p.grad is not None]
-                grads = [g for g in grads if g.numel() > 0]
-                if not grads:
-                    continue
-                figures = _LayerGrads(
-                    absmax=torch.stack([_absmax(g) for g in grads]).max() / seen_scale,
-                    underflow=sum((g.abs() < threshold).sum() for g in grads),
-                    nonfinite=sum((~torch.isfinite(g)).sum() for g in grads),
-                    numel=sum(g.numel() for g in grads),
-                )
-                earlier = self._grad.get(i)  # several optimizers step in one batch
-                self._grad[i] = figures if earlier is None else earlier.merge(figures)
-
-    def _layer_vectors(self, device: torch.device) -> tuple[_LayerMaxima, _LayerCounts]:
-        """This rank's per-layer figures as device vectors (zeros for a layer without outputs or gradients)."""
-        n = len(self._names)
-        f64 = torch.float64
-        maxima = _LayerMaxima(*torch.zeros(len(_LayerMaxima._fields), n, dtype=f64, device=device))  # (row views)
-        sums = _LayerCounts(*torch.zeros(len(_LayerCounts._fields), n, dtype=f64, device=device))
-        for i, outputs in self._act.items():
-            maxima.act_absmax[i] = torch.stack([o.absmax for o in outputs]).max().to(device, f64)
-            sums.act_nonfinite[i] = torch.stack([o.nonfinite for o in outputs]).sum().to(device, f64)
-            sums.act_numel[i] = float(sum(o.numel for o in outputs))
-        for i, grads in self._grad.items():
-            maxima.grad_absmax[i] = grads.absmax.to(device, f64)
-            sums.grad_underflow[i] = torch.as_tensor(grads.underflow).to(device, f64)
-            sums.grad_nonfinite[i] = torch.as_tensor(grads.nonfinite).to(device, f64)
-            sums.grad_numel[i] = float(grads.numel)
-        return maxima, sums
-
     def _remove_hooks(self) -> None:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
 
     # ------------------------------------------------------------------ plot and checkpoints
-    def _draw(self, path: str) -> None:
-        from matplotlib.figure import Figure  # optional dependency, checked at construction
-
-        steps = [h.step for h in self.history]
-        scales = [h.loss_scale for h in self.history]
-        skipped = [h.skipped_steps for h in self.history]
-        has_scale = any(s is not None for s in scales)
-        figure = Figure(figsize=(7, 5 if has_scale else 3), layout="constrained")
-        axes = figure.subplots(2 if has_scale else 1, 1, sharex=True, squeeze=False)[:, 0]
-        if has_scale:
-            axes[0].step(steps, [s if s is not None else math.nan for s in scales], where="post")
-            axes[0].set_yscale("log", base=2)
-            axes[0].set_ylabel("loss scale")
-            axes[0].set_title("PrecisionMonitor")
-        axes[-1].step(steps, skipped, where="post", color="tab:red")
-        axes[-1].set_ylabel("skipped steps (total)")
-        axes[-1].set_xlabel("optimizer step")
-        figure.savefig(path, dpi=100)
-
     @override
     def state_dict(self) -> dict[str, Any]:
         steps, skipped, consecutive = self._native.read()
@@ -705,6 +603,125 @@ def _available_flops(device: torch.device, dtype: torch.dtype, tf32: Optional[bo
 
 
 # ---------------------------------------------------------------------------------------------- helpers
+def _scalar_figures(scalars: _Scalars, counts: _Counts, has_grad_norm: bool) -> dict[str, float]:
+    """The scalar figures by name, leaving out those the run does not have."""
+    present = {
+        "loss_scale": counts.loss_scale is not None,
+        "grad_norm": has_grad_norm,
+        "spike_skips": counts.spike_skips is not None,  # the loss-spike guard is on
+    }
+    return {
+        f"precision/{name}": int(value) if name in INTEGER_SCALARS else value
+        for name, value in scalars._asdict().items()
+        if present.get(name, True)
+    }
+
+
+def _choose_layers(pl_module: nn.Module, pattern: Optional[re.Pattern]) -> tuple[list[str], list[nn.Module]]:
+    """The reported layers' names and modules: those ``pattern`` matches, else the modules that own parameters."""
+    names: list[str] = []
+    modules: list[nn.Module] = []
+    for name, module in pl_module.named_modules():
+        if module is pl_module:
+            continue
+        if pattern is not None:
+            chosen = pattern.search(name) is not None
+        else:
+            chosen = next(module.parameters(recurse=False), None) is not None
+        if chosen:
+            names.append(name)
+            modules.append(module)
+    return names, modules
+
+
+def _layer_figures(names: list[str], maxima: _LayerMaxima, sums: _LayerCounts, scale: float) -> dict[str, float]:
+    """The per-layer figures by name (``scale``: the loss scale the logging step's gradients were seen at)."""
+    figures: dict[str, float] = {}
+    for i, layer in enumerate(names):
+        if sums.act_numel[i] > 0:
+            figures[f"precision/act_absmax/{layer}"] = maxima.act_absmax[i]
+            figures[f"precision/act_headroom/{layer}"] = _headroom(maxima.act_absmax[i])
+            figures[f"precision/act_nonfinite/{layer}"] = sums.act_nonfinite[i] / sums.act_numel[i]
+        if sums.grad_numel[i] > 0:
+            figures[f"precision/grad_absmax/{layer}"] = maxima.grad_absmax[i]
+            figures[f"precision/grad_headroom/{layer}"] = _headroom(maxima.grad_absmax[i] * scale)
+            figures[f"precision/grad_underflow/{layer}"] = sums.grad_underflow[i] / sums.grad_numel[i]
+            figures[f"precision/grad_nonfinite/{layer}"] = sums.grad_nonfinite[i] / sums.grad_numel[i]
+    return figures
+
+
+def _layer_grads(modules: list[nn.Module], per_layer: dict[int, _LayerGrads], seen_scale: float, scale: float) -> None:
+    """Add each layer's parameter-gradient figures of this optimizer step to ``per_layer`` (device values)."""
+    # |g_true| * scale < tiny  <=>  |g_seen| < tiny * seen_scale / scale
+    threshold = FP16_TINY * seen_scale / scale
+    with torch.no_grad():
+        for i, module in enumerate(modules):
+            grads = [_local(p.grad) for p in module.parameters(recurse=False) if p.grad is not None]
+            grads = [g for g in grads if g.numel() > 0]
+            if not grads:
+                continue
+            figures = _LayerGrads(
+                absmax=torch.stack([_absmax(g) for g in grads]).max() / seen_scale,
+                underflow=sum((g.abs() < threshold).sum() for g in grads),
+                nonfinite=sum((~torch.isfinite(g)).sum() for g in grads),
+                numel=sum(g.numel() for g in grads),
+            )
+            earlier = per_layer.get(i)  # several optimizers step in one batch
+            per_layer[i] = figures if earlier is None else earlier.merge(figures)
+
+
+def _layer_vectors(
+    n: int, act: dict[int, list[_LayerOutput]], grad: dict[int, _LayerGrads], device: torch.device
+) -> tuple[_LayerMaxima, _LayerCounts]:
+    """This rank's per-layer figures as device vectors (zeros for a layer without outputs or gradients)."""
+    f64 = torch.float64
+    maxima = _LayerMaxima(*torch.zeros(len(_LayerMaxima._fields), n, dtype=f64, device=device))  # (row views)
+    sums = _LayerCounts(*torch.zeros(len(_LayerCounts._fields), n, dtype=f64, device=device))
+    for i, outputs in act.items():
+        maxima.act_absmax[i] = torch.stack([o.absmax for o in outputs]).max().to(device, f64)
+        sums.act_nonfinite[i] = torch.stack([o.nonfinite for o in outputs]).sum().to(device, f64)
+        sums.act_numel[i] = float(sum(o.numel for o in outputs))
+    for i, grads in grad.items():
+        maxima.grad_absmax[i] = grads.absmax.to(device, f64)
+        sums.grad_underflow[i] = torch.as_tensor(grads.underflow).to(device, f64)
+        sums.grad_nonfinite[i] = torch.as_tensor(grads.nonfinite).to(device, f64)
+        sums.grad_numel[i] = float(grads.numel)
+    return maxima, sums
+
+
+def _nothing_to_draw(history: list[_HistoryEntry], every: int, trainer: Trainer) -> Optional[str]:
+    """Why the plot would be empty, or ``None`` when there is something to draw."""
+    if history:
+        return None
+    if every <= 0:
+        return "logging is off (the Trainer's log_every_n_steps=0); set PrecisionMonitor(log_every_n_steps=N)"
+    return (
+        f"no logging step ran: fit made {trainer.global_step} optimizer steps and the monitor logs every"
+        f" {every}; pass a smaller log_every_n_steps"
+    )
+
+
+def _draw(history: list[_HistoryEntry], path: str) -> None:
+    """Draw the loss scale and the skipped steps over the logging steps to a PNG file."""
+    from matplotlib.figure import Figure  # optional dependency, checked at construction
+
+    steps = [h.step for h in history]
+    scales = [h.loss_scale for h in history]
+    skipped = [h.skipped_steps for h in history]
+    has_scale = any(s is not None for s in scales)
+    figure = Figure(figsize=(7, 5 if has_scale else 3), layout="constrained")
+    axes = figure.subplots(2 if has_scale else 1, 1, sharex=True, squeeze=False)[:, 0]
+    if has_scale:
+        axes[0].step(steps, [s if s is not None else math.nan for s in scales], where="post")
+        axes[0].set_yscale("log", base=2)
+        axes[0].set_ylabel("loss scale")
+        axes[0].set_title("PrecisionMonitor")
+    axes[-1].step(steps, skipped, where="post", color="tab:red")
+    axes[-1].set_ylabel("skipped steps (total)")
+    axes[-1].set_xlabel("optimizer step")
+    figure.savefig(path, dpi=100)
+
+
 def _mp_stats(trainer: Trainer) -> Optional[StepStats]:
     """MPPlugin's StepStats (read fresh: each plugin has its own), or None for other plugins."""
     stats = getattr(trainer.precision_plugin, "stats", None)
