@@ -76,8 +76,8 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q -rs -m gpu tests/gpu
 
 # the differential tests (tests/differential: small Lightning programs drawn by Hypothesis, each against its oracle)
-# at ten times the budget `make test` gives them (DIFFERENTIAL_EXAMPLES programs per test, 10 there)
-DIFFERENTIAL_EXAMPLES ?= 100
+# at ten times the budget `make test` gives them (DIFFERENTIAL_EXAMPLES programs per test, 8 there)
+DIFFERENTIAL_EXAMPLES ?= 80
 test-differential: $(STAMP)
 	DIFFERENTIAL_EXAMPLES=$(DIFFERENTIAL_EXAMPLES) $(PY) -m pytest -q -p no:cacheprovider tests/differential
 

@@ -8,6 +8,11 @@
 (3) :func:`check_same_value_writes`, a program whose writes leave every value as it was (a wide clamp through
     ``.data``, a copy or a ``load_state_dict`` of the same values): the same program without the writes, bit for
     bit, master weights and Kahan compensation included (the tolerance of (1) cannot see their low bits).
+(4) :func:`check_entry_points`, a program with validate or resume entries: the same program without its validates
+    and with each resume merged into the fit before it, bit for bit (a validate changes nothing, a resume goes on
+    exactly), but for the buffers a checkpoint does not hold (non-persistent ones start afresh after a resume). A
+    fit again on the same Trainer stays a boundary: Lightning calls ``configure_optimizers`` again there (a fresh
+    optimizer and scheduler), under its own plugins too.
 
 Each returns a list of problems (empty: the program passed); ``stream`` problems mean the generator itself went
 wrong (the batches a run saw are not the ones the program meant), never the plugin.
@@ -23,7 +28,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .programs import SCALED, Program
+from .programs import SCALED, Entry, Program
 from .runner import LIGHTNING_PRECISION, Final, Side, run
 
 #: A comparison that cannot be bit for bit (the design computes differently from the oracle on purpose) allows each
@@ -223,6 +228,8 @@ def lightning_problems(program: Program, ref: Reference, ours: Final, theirs: Fi
     problems += compare(state_ours, state_theirs, "state", allow)
     problems += compare(ours.global_step, theirs.global_step, "global_step")
     problems += compare((ours.steps, ours.skipped), (ours.global_step, 0), "plugin.stats (steps, skipped)")
+    if problems:
+        problems.append(f"(the oracle: Lightning's {ref.side.lightning}, {ref.why})")
     return problems
 
 
@@ -307,4 +314,39 @@ def check_same_value_writes(program: Program) -> list[str]:
     problems += compare(_state(written), _state(plain), "state")
     problems += compare(written.masters, plain.masters, "masters")
     problems += compare((written.steps, written.skipped), (plain.steps, plain.skipped), "plugin.stats (steps, skipped)")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------- (4) entry points
+def merged_entries(entries: tuple[Entry, ...]) -> tuple[Entry, ...]:
+    """The entry points without validates, each resume's steps added to the fit before it."""
+    merged: list[Entry] = []
+    for entry in entries:
+        if entry.kind == "resume":
+            merged[-1] = Entry("fit", merged[-1].steps + entry.steps)
+        elif entry.kind == "fit":
+            merged.append(entry)
+    return tuple(merged)
+
+
+def check_entry_points(program: Program) -> list[str]:
+    """A program with validate or resume entries against the same program without them, both ours."""
+    assert program.poison is None and merged_entries(program.entries) != program.entries
+    side = Side.ours(program)
+    merged = dataclasses.replace(program, entries=merged_entries(program.entries))
+    staged, whole = _safe_run(program, side), _safe_run(merged, side)
+    if staged.error is not None or whole.error is not None:
+        return [f"error: as drawn {staged.error!r}, merged {whole.error!r}"]
+    problems = _stream_problems(program, staged, "as drawn") + _stream_problems(merged, whole, "merged")
+    if problems:
+        return problems
+    state_staged, state_whole = _state(staged), _state(whole)
+    for state in (state_staged, state_whole):
+        del state["validation losses"]
+        if program.ema == "non-persistent" and any(e.kind == "resume" for e in program.entries):
+            del state["buffers"]["ema"]  # not in the checkpoint: a resumed module starts it afresh
+    problems += compare(state_staged, state_whole, "state")
+    problems += compare(staged.masters, whole.masters, "masters")
+    problems += compare(staged.scaler, whole.scaler, "loss scaler")
+    problems += compare((staged.steps, staged.skipped), (whole.steps, whole.skipped), "plugin.stats (steps, skipped)")
     return problems

@@ -12,6 +12,7 @@ the stream was what the program meant (the generator's own check).
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import math
@@ -37,7 +38,7 @@ CLASSES = 4
 #: the sampler's length: one epoch that never ends within a program (an epoch end would step a short window)
 ENDLESS = 10**6
 INIT_SCALE = 2.0**8  # fp16 modes, ours and Lightning's: clean steps of these tiny models never overflow
-LR = {"sgd": 0.05, "adam": 0.01, "adamw-foreach": 0.01, "adamw-fused": 0.01}
+LR = {"sgd": 0.05, "adam": 0.01, "adamw-foreach": 0.01, "adamw-fused": 0.01}  # lookahead-adam: Adam's
 CLIP = {"norm": 0.1, "value": 0.02}  # small enough that clipping acts on most steps
 LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true",
                        "fp16-true": "16-true"}
@@ -97,6 +98,56 @@ class CursorSampler(Sampler):
 
     def __iter__(self):
         return iter(range(self.module.cursor, ENDLESS))
+
+
+# ---------------------------------------------------------------------------------------------- an optimizer wrapper
+class Lookahead(torch.optim.Optimizer):
+    """timm's ``Lookahead`` as it is written there: a wrapper that shares its base optimizer's param groups and
+    state, never runs ``Optimizer.__init__``, and every ``k`` steps pulls the weights towards slow copies kept in
+    the base optimizer's state (a write to the weights inside the optimizer's step)."""
+
+    def __init__(self, base: torch.optim.Optimizer, alpha: float = 0.5, k: int = 2) -> None:
+        # (no super().__init__(), as in timm)
+        self._optimizer_step_pre_hooks: dict = collections.OrderedDict()
+        self._optimizer_step_post_hooks: dict = collections.OrderedDict()
+        defaults = dict(lookahead_alpha=alpha, lookahead_k=k, lookahead_step=0)
+        self._base_optimizer = base
+        self.param_groups = base.param_groups
+        self.defaults = base.defaults
+        self.defaults.update(defaults)
+        self.state = collections.defaultdict(dict)
+        for name, default in defaults.items():
+            for group in base.param_groups:
+                group.setdefault(name, default)
+
+    @torch.no_grad()
+    def update_slow(self, group: dict) -> None:
+        for fast in group["params"]:
+            if fast.grad is None:
+                continue
+            state = self._base_optimizer.state[fast]
+            if "lookahead_slow_buff" not in state:
+                state["lookahead_slow_buff"] = torch.empty_like(fast)
+                state["lookahead_slow_buff"].copy_(fast)
+            slow = state["lookahead_slow_buff"]
+            slow.add_(fast - slow, alpha=group["lookahead_alpha"])
+            fast.copy_(slow)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = self._base_optimizer.step(closure)
+        for group in self._base_optimizer.param_groups:
+            group["lookahead_step"] += 1
+            if group["lookahead_step"] % group["lookahead_k"] == 0:
+                self.update_slow(group)
+        return loss
+
+    def state_dict(self):
+        return self._base_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        self._base_optimizer.load_state_dict(state_dict)
+        self.param_groups = self._base_optimizer.param_groups
 
 
 # ---------------------------------------------------------------------------------------------- the module
@@ -170,6 +221,8 @@ class DiffNet(LightningModule):
             opt = torch.optim.SGD(self.parameters(), lr=LR["sgd"], momentum=0.9)
         elif p.optimizer == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=LR["adam"], eps=eps)
+        elif p.optimizer == "lookahead-adam":
+            opt = Lookahead(torch.optim.Adam(self.parameters(), lr=LR["adam"], eps=eps))
         elif p.optimizer == "adamw-foreach":
             opt = torch.optim.AdamW(self.parameters(), lr=LR["adamw-foreach"], eps=eps, foreach=True)
         else:

@@ -1,6 +1,6 @@
 """Drawn Lightning programs under MPPlugin against their oracles (see ``oracles.py``).
 
-The budget: ``DIFFERENTIAL_EXAMPLES`` programs per test (default 10: the three tests take about 40 s on 2 cores),
+The budget: ``DIFFERENTIAL_EXAMPLES`` programs per test (default 8: the four tests take about 45 s on 2 cores),
 drawn from a fixed seed (``derandomize``) so that ``make test`` tests the same programs every run;
 ``make test-differential`` draws ten times as many. A failure prints the shrunk program and every difference from
 its oracle; a failure from a class of bug being fixed gets a named reproducer in test_found.py, and its strategy
@@ -13,13 +13,21 @@ import logging
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 
-from .oracles import check_against_lightning, check_same_value_writes, check_skip, lightning_problems, reference
+from .oracles import (
+    check_against_lightning,
+    check_entry_points,
+    check_same_value_writes,
+    check_skip,
+    lightning_problems,
+    merged_entries,
+    reference,
+)
 from .programs import Entry, Poison, Program, Write, programs
 from .runner import Side, run
 
-EXAMPLES = int(os.environ.get("DIFFERENTIAL_EXAMPLES", "10"))
+EXAMPLES = int(os.environ.get("DIFFERENTIAL_EXAMPLES", "8"))
 
 SETTINGS = settings(
     max_examples=EXAMPLES,
@@ -68,6 +76,14 @@ def test_a_skipped_step_changes_nothing(program: Program):
 def test_a_write_that_changes_no_value_changes_nothing(program: Program):
     problems = check_same_value_writes(program)
     assert not problems, report(program, problems, "the same program without its writes")
+
+
+@SETTINGS
+@given(program=programs())
+def test_validate_and_resume_change_nothing(program: Program):
+    assume(merged_entries(program.entries) != program.entries)  # (a validate or a resume among the entries)
+    problems = check_entry_points(program)
+    assert not problems, report(program, problems, "the same program without validates, its resumes merged")
 
 
 # ---------------------------------------------------------------------------------------------- the oracles' own tests

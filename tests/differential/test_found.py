@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from .oracles import check_against_lightning, check_same_value_writes, check_skip
+from .oracles import check_against_lightning, check_entry_points, check_same_value_writes, check_skip
 from .programs import Entry, Poison, Program, Write
 
 
@@ -73,3 +73,13 @@ def test_a_weight_shared_by_a_guarded_and_an_unguarded_norm_trains_in_bf16_true(
     _assert_passes(check_against_lightning(
         Program(mode="bf16-true", batchnorm=True, layernorm=True, tie="norms", entries=(Entry("fit", 1),))
     ))
+
+
+# ---------------------------------------------------------------------------------------------- optimizer wrappers
+@pytest.mark.parametrize("check", [check_against_lightning, check_entry_points], ids=["fit", "resume"])
+def test_a_timm_style_lookahead_trains_with_master_weights(check):
+    """bf16-true (fp32 masters), timm's ``Lookahead`` around Adam (a wrapper that never runs
+    ``Optimizer.__init__``): ``AttributeError: 'Lookahead' object has no attribute
+    '_optimizer_load_state_dict_pre_hooks'`` where Lightning's 32-true trains the program."""
+    program = Program(mode="bf16-true", optimizer="lookahead-adam", entries=(Entry("fit", 1), Entry("resume", 1)))
+    _assert_passes(check(program))
