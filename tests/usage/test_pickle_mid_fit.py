@@ -23,13 +23,17 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+import lightning.pytorch.callbacks as pl_callbacks
+from lightning.pytorch.callbacks import StochasticWeightAveraging
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp.guards import fp32_guard_of
 
 from .conftest import OPT_MODES, opt_assert_nested_equal, opt_plugin, opt_trainer
+
+#: Lightning's WeightAveraging came in Lightning 2.6
+WeightAveraging = getattr(pl_callbacks, "WeightAveraging", None)
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:.*does not have many workers",
@@ -295,7 +299,7 @@ def test_stochastic_weight_averaging_with_copies_mid_fit(mode):
             ),
         )
         if m == "fp16-true"
-        else m
+        else pytest.param(m, marks=pytest.mark.skipif(WeightAveraging is None, reason="WeightAveraging: Lightning 2.6"))
         for m in OPT_MODES
     ],
 )
