@@ -79,7 +79,7 @@ class Net(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x.to(self.l1.weight.dtype)).float(), y)
+        loss = nn.functional.mse_loss(self(x.to(self.l1.weight.dtype)).float(), y.float())
         if not self.manual:
             return loss
         opt = self.optimizers()

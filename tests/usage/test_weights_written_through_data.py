@@ -49,7 +49,7 @@ class Net(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = nn.functional.mse_loss(self(x.to(self.l1.weight.dtype)).float(), y)
+        loss = nn.functional.mse_loss(self(x.to(self.l1.weight.dtype)).float(), y.float())
         if self.manual_write is None:
             return loss
         opt = self.optimizers()
