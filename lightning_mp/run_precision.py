@@ -22,6 +22,7 @@ from lightning_mp.modes import (
     parse_precision,
     provisional_lightning_precision,
     resolve_mode,
+    warn_if_slow_on_device,
 )
 from lightning_mp.patches import Patches
 from lightning_mp.nonfinite import NonfiniteGuard, StepGuard
@@ -107,12 +108,12 @@ class RunPrecision:
                 mode = resolve_mode(name, self.device)
                 self.settings.check_mode(mode)
                 self.set_mode(mode)
-                rank_zero_info(f"MPPlugin(precision='auto') chose {name!r} on {device}: {reason}.")
         else:
             mode = self.active
             resolve_mode(mode.name, self.device)  # a mode the device cannot run fails before the first step
             if self.scaler is not None and self.scaler.device_type != self.device:
                 self.set_mode(mode)  # rebuilt for the real device, state kept
+        warn_if_slow_on_device(self.active, self.device)  # fp16 on a CPU: one warning at set-up, naming bf16
         if self.scaler is not None:
             self.scaler.ensure_initialized(device)
         self.apply_tf32()

@@ -15,6 +15,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # fp16 on the CPU warns at every set-up that bf16 is faster there; the CPU tests run fp16 on purpose
+    config.addinivalue_line("filterwarnings", "ignore::lightning_mp.modes.PerformanceWarning")
+
+
 def make_data(n: int = 64, features: int = 16, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, features, generator=g)

@@ -1,8 +1,19 @@
+import logging
+import warnings
+
 import pytest
 import torch
+from conftest import TinyRegressor, make_trainer
 
 from lightning_mp import MPPlugin, parse_precision, resolve_mode
-from lightning_mp.modes import ALIASES, MODES, accepted_names, compute_dtype
+from lightning_mp.modes import (
+    ALIASES,
+    MODES,
+    PerformanceWarning,
+    accepted_names,
+    compute_dtype,
+    warn_if_slow_on_device,
+)
 
 
 @pytest.mark.parametrize(
@@ -96,18 +107,63 @@ def test_mode_table():
     assert set(ALIASES.values()) <= set(accepted_names())
 
 
-def test_auto_on_cpu_is_bf16_and_says_why(caplog):
+def test_auto_on_cpu_is_bf16_and_says_so_in_one_line(caplog):
     assert resolve_mode("auto", "cpu").name == "bf16"
-    import logging
-
-    from conftest import TinyRegressor, make_trainer
-
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         make_trainer(MPPlugin("auto"), max_steps=1).fit(TinyRegressor())
-    chosen = [r.getMessage() for r in caplog.records if "precision='auto'" in r.getMessage()]
-    assert chosen == [
-        "MPPlugin(precision='auto') chose 'bf16' on cpu: bf16 autocast is the fastest safe mode on the CPU."
-    ]
+    lines = [r.getMessage() for r in caplog.records if "'auto'" in r.getMessage()]
+    assert len(lines) == 1, lines  # one choice, one line: the set-up line names the mode and who chose it
+    assert lines[0].startswith("lightning_mp: using bf16 mixed precision (chosen by 'auto', autocast bf16,")
+    assert lines[0].endswith(" on cpu")
+
+
+@pytest.mark.parametrize(
+    ("mode", "instead"), [("fp16", "'bf16'"), ("fp16-true", "'bf16-true'"), ("16-mixed", "'bf16'")]
+)
+def test_fp16_on_the_cpu_warns_once_at_set_up_naming_bf16(mode, instead):
+    model = TinyRegressor()
+    trainer = make_trainer(MPPlugin(mode), max_steps=3)
+    with pytest.warns(PerformanceWarning) as record:
+        trainer.fit(model)
+    ours = [str(w.message) for w in record if issubclass(w.category, PerformanceWarning)]
+    assert len(ours) == 1, ours  # at set-up, not per step
+    name = parse_precision(mode)
+    assert ours[0].startswith(f"MPPlugin(precision={name!r}) runs on the CPU, where fp16 has no fast kernels")
+    assert f"Use precision={instead} on the CPU" in ours[0]
+    assert trainer.global_step == 3 and trainer.precision_plugin.stats.steps == 3  # a warning: training goes on
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-true", "fp32", "auto"])
+def test_modes_that_suit_the_cpu_do_not_warn(mode):
+    trainer = make_trainer(MPPlugin(mode), max_steps=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyRegressor())
+    assert not [w for w in caught if issubclass(w.category, PerformanceWarning)]
+    assert trainer.global_step == 2
+    assert warn_if_slow_on_device(MODES["fp16"], "cuda") is None  # fp16 is fast on GPUs
+
+
+@pytest.mark.parametrize(
+    ("bad", "close"),
+    [("bf-16", "bf16"), ("BF16_true", "bf16-true"), ("fp61", "fp16"), ("bfloat", "bfloat16"), ("16-mix", "16-mixed")],
+)
+def test_a_misspelled_mode_gets_a_did_you_mean(bad, close):
+    with pytest.raises(ValueError) as err:
+        MPPlugin(bad)
+    message = str(err.value)
+    assert message.startswith(f"Unknown precision {bad!r}. Accepted values: 'fp32', 'tf32', 'bf16',")
+    assert message.endswith(f" Did you mean {close!r}?")
+
+
+@pytest.mark.parametrize("bad", ["double", "fp64", "float64"])  # fp64 is no typo of fp16: another bit width
+def test_a_value_far_from_every_name_gets_no_guess(bad):
+    with pytest.raises(ValueError) as err:
+        parse_precision(bad)
+    assert "Did you mean" not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        parse_precision("O2")  # Apex's opt level: its own hint, no guess
+    assert "Did you mean" not in str(err.value) and "its equivalent is 'fp16-true'" in str(err.value)
 
 
 def test_unsupported_hardware_says_why_and_what_instead(monkeypatch):
