@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Optional, cast
 
 import torch
 from lightning.fabric.plugins.precision import Precision
@@ -36,12 +36,11 @@ from typing_extensions import override
 
 import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import _load_master_weights, load_plugin_state, normalise, plugin_state
-from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
 from lightning_mp.master import release_fp32_state_loading
 from lightning_mp.modes import MODES, PrecisionMode
 from lightning_mp.options import announce
-from lightning_mp.settings import DEFAULTS, MPSettings
+from lightning_mp.settings import MPSettings
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.surface import PrecisionRun
 from lightning_mp.true_half import cast_weights_
@@ -92,38 +91,9 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
     ``DDPStrategy(ddp_comm_hook=...)``).
     """
 
-    def __init__(
-        self,
-        precision: str = DEFAULTS["precision"],
-        device: Optional[str] = None,
-        scaler: Optional[torch.amp.GradScaler] = None,
-        *,
-        init_scale: float = DEFAULTS["init_scale"],
-        growth_factor: float = DEFAULTS["growth_factor"],
-        backoff_factor: float = DEFAULTS["backoff_factor"],
-        growth_interval: int = DEFAULTS["growth_interval"],
-        hysteresis: int = DEFAULTS["hysteresis"],
-        consecutive_hysteresis: bool = DEFAULTS["consecutive_hysteresis"],
-        min_scale: float = DEFAULTS["min_scale"],
-        max_scale: float = DEFAULTS["max_scale"],
-        loss_scale: Optional[float] = None,
-        skip_nonfinite: bool = DEFAULTS["skip_nonfinite"],
-        max_consecutive_skips: Optional[int] = DEFAULTS["max_consecutive_skips"],
-        hold_schedulers_on_skip: bool = DEFAULTS["hold_schedulers_on_skip"],
-        tf32: Optional[bool] = None,
-        release_grads_after_step: bool = DEFAULTS["release_grads_after_step"],
-        fp32_modules: Optional[list[str]] = None,
-        master_weights: Optional[Union[str, bool]] = None,
-        fp8: Optional[Union[FP8Config, dict]] = None,
-        reduce_dtype: Optional[str] = None,
-        fsdp_param_dtype: Optional[str] = None,
-        spike_sigma: Optional[float] = None,
-        spike_window: int = DEFAULTS["spike_window"],
-    ) -> None:
-        arguments = {name: value for name, value in locals().items() if name != "self"}  # (first: the arguments alone)
-        settings = MPSettings.from_arguments(**arguments)  # every bad value raises here
+    def _start(self, settings: MPSettings) -> None:
         _refuse_wrapper_dtypes(settings)
-        self._start(settings)
+        super()._start(settings)
         self._modules: list[nn.Module] = []  # what fabric.setup converted, in order
         self._container: Optional[nn.Module] = None  # the module, or a ModuleList of several (names, buffers)
         self._optimizers: list[Optimizer] = []  # in the order they joined (their counters' order)

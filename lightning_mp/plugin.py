@@ -13,7 +13,7 @@ run's optimizers, whose Lightning hooks (backward, the step, clipping) live in
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
@@ -26,13 +26,12 @@ from typing_extensions import override
 
 import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import lightning_scaler_state, load_plugin_state, plugin_state
-from lightning_mp.fp8 import FP8Config
 from lightning_mp.guards import FP32GuardSpec, guard_for_run
 from lightning_mp.master import fp32_state_dict_, release_fp32_state_loading
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.options import announce
 from lightning_mp.schedulers import SchedulerHold
-from lightning_mp.settings import DEFAULTS, MPSettings
+from lightning_mp.settings import MPSettings
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.step_hooks import StepHooks
 from lightning_mp.surface import PrecisionRun
@@ -54,63 +53,43 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
     Args:
         precision: ``"fp32"``, ``"tf32"``, ``"bf16"``, ``"fp16"``, ``"bf16-true"``, ``"fp16-true"``, ``"fp8"`` or
             ``"auto"``; Lightning's strings (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ...) are aliases.
-        device, scaler: as ``MixedPrecision``'s: the device type the scaler starts on (the Trainer's wins at set-up);
-            the scaler (fp16): a ``torch.amp.GradScaler`` given trains through a ``DynamicLossScaler``
-            with its settings and state and stays a ``torch.amp.GradScaler``, sharing the scale it shows.
-        init_scale, growth_factor, backoff_factor, growth_interval: the dynamic loss scale (fp16), as GradScaler's.
-        hysteresis, consecutive_hysteresis: overflowing steps before a backoff (1 = at once); refill that budget on
-            every clean step (``True``) or only on growth (``False``, Megatron-LM's). ``min_scale``, ``max_scale``:
-            floor and cap. ``loss_scale``: a number gives a static loss scale (all fp16).
+        device: as ``MixedPrecision``'s: the device type the scaler starts on (the Trainer's wins at set-up).
+        scaler: as ``MixedPrecision``'s (fp16): a ``torch.amp.GradScaler`` given trains through a
+            ``DynamicLossScaler`` with its settings and state and stays a ``torch.amp.GradScaler``, sharing its scale.
+        init_scale: the first loss scale (fp16 modes), as GradScaler's.
+        growth_factor: the scale is multiplied by this after ``growth_interval`` clean steps.
+        backoff_factor: the scale is multiplied by this on a backoff.
+        growth_interval: clean steps in a row before the scale grows.
+        hysteresis: overflowing steps before a backoff (1 = at once, as GradScaler).
+        consecutive_hysteresis: refill the hysteresis budget on every clean step (``True``) or only on growth
+            (``False``, Megatron-LM's).
+        min_scale: the scale's floor.
+        max_scale: the scale's cap.
+        loss_scale: a number gives a static loss scale (all fp16 modes); ``None``: dynamic.
         skip_nonfinite: skip optimizer steps whose gradients hold inf/NaN, in every mode (fp16 always skips).
         max_consecutive_skips: stop (:class:`NonFiniteTrainingError`) after this many skips in a row; ``None``: never.
-        hold_schedulers_on_skip, release_grads_after_step: hold step-interval LR schedulers after a skipped step;
-            gradients to ``None`` right after the step (automatic optimization).
+        hold_schedulers_on_skip: hold step-interval LR schedulers after a skipped step.
         tf32: ``True``/``False`` sets TF32 matmul/cuDNN for the run (restored at teardown); ``None``: the mode's.
+        release_grads_after_step: gradients to ``None`` right after the step (automatic optimization).
         fp32_modules: modules run in fp32 (class names, name patterns, classes, ``"defaults"``); ``None``: the
             defaults (norms, softmax, losses; in ``bf16-true`` with master weights plain ``nn.LayerNorm`` modules
-            run in bf16, their kernel computing in fp32); ``[]``: none. ``master_weights``: ``"fp32"`` (default),
-            ``"kahan"``, ``"stochastic"``, ``"none"``, ``"optimizer"`` (true-half modes; :mod:`lightning_mp.master`).
+            run in bf16, their kernel computing in fp32); ``[]``: none.
+        master_weights: ``"fp32"`` (the default of true-half modes), ``"kahan"``, ``"stochastic"``, ``"none"``,
+            ``"optimizer"`` (:mod:`lightning_mp.master`).
         fp8: :class:`~lightning_mp.fp8.FP8Config` or a dict of its fields, for ``precision="fp8"``.
-        reduce_dtype, fsdp_param_dtype: the dtype gradients are reduced in across ranks, and the dtype FSDP gathers
-            parameters in for compute (``"fp32"``/None, ``"bf16"``, ``"fp16"``).
-        spike_sigma, spike_window: skip, as an inf/NaN step, a step whose loss or gradient norm exceeds mean +
-            ``spike_sigma`` std of the last ``spike_window`` clean steps (off by default; :mod:`lightning_mp.spike`).
+        reduce_dtype: the dtype gradients are reduced in across ranks (``"fp32"``/``None``, ``"bf16"``, ``"fp16"``).
+        fsdp_param_dtype: the dtype FSDP gathers parameters in for compute (``"fp32"``/``None``, ``"bf16"``,
+            ``"fp16"``).
+        spike_sigma: skip, as an inf/NaN step, a step whose loss or gradient norm exceeds mean + ``spike_sigma`` std
+            of the last ``spike_window`` clean steps; ``None``: off (:mod:`lightning_mp.spike`).
+        spike_window: the clean steps the spike statistics cover.
 
     The arguments become one frozen :class:`~lightning_mp.settings.MPSettings` (``plugin.settings``), checked once,
-    here: every bad value raises before training. The defaults are :data:`lightning_mp.settings.DEFAULTS`.
+    here: every bad value raises before training. The defaults shown are :data:`lightning_mp.settings.DEFAULTS`.
     """
 
-    def __init__(
-        self,
-        precision: str = DEFAULTS["precision"],
-        device: Optional[str] = None,
-        scaler: Optional[torch.amp.GradScaler] = None,
-        *,
-        init_scale: float = DEFAULTS["init_scale"],
-        growth_factor: float = DEFAULTS["growth_factor"],
-        backoff_factor: float = DEFAULTS["backoff_factor"],
-        growth_interval: int = DEFAULTS["growth_interval"],
-        hysteresis: int = DEFAULTS["hysteresis"],
-        consecutive_hysteresis: bool = DEFAULTS["consecutive_hysteresis"],
-        min_scale: float = DEFAULTS["min_scale"],
-        max_scale: float = DEFAULTS["max_scale"],
-        loss_scale: Optional[float] = None,
-        skip_nonfinite: bool = DEFAULTS["skip_nonfinite"],
-        max_consecutive_skips: Optional[int] = DEFAULTS["max_consecutive_skips"],
-        hold_schedulers_on_skip: bool = DEFAULTS["hold_schedulers_on_skip"],
-        tf32: Optional[bool] = None,
-        release_grads_after_step: bool = DEFAULTS["release_grads_after_step"],
-        fp32_modules: Optional[list[str]] = None,
-        master_weights: Optional[Union[str, bool]] = None,
-        fp8: Optional[Union[FP8Config, dict]] = None,
-        reduce_dtype: Optional[str] = None,
-        fsdp_param_dtype: Optional[str] = None,
-        spike_sigma: Optional[float] = None,
-        spike_window: int = DEFAULTS["spike_window"],
-    ) -> None:
-        # not MixedPrecision.__init__: it needs the device up front and knows two modes only
-        arguments = {name: value for name, value in locals().items() if name != "self"}  # (first: the arguments alone)
-        self._start(MPSettings.from_arguments(**arguments))  # every bad value raises here
+    def _start(self, settings: MPSettings) -> None:
+        super()._start(settings)  # (not MixedPrecision.__init__: it needs the device up front and knows two modes)
         self._hold = SchedulerHold()
         self._comm_hooked: list[Any] = []  # DDP models given a reduce_dtype hook
         self._fsdp_root: Optional[torch.nn.Module] = None  # the root FSDP module

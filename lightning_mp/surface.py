@@ -6,7 +6,7 @@ checkers) see.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -33,8 +33,41 @@ class PrecisionRun:
         plugin.mode.name, plugin.settings.scale.init_scale, plugin.stats.skipped_steps
     """
 
+    # The one constructor of both plugins (their arguments are documented on MPPlugin). The defaults are written out
+    # for readers, type checkers and the API reference; a test keeps them equal to lightning_mp.settings.DEFAULTS.
+    def __init__(
+        self,
+        precision: str = "bf16",
+        device: Optional[str] = None,
+        scaler: Optional[torch.amp.GradScaler] = None,
+        *,
+        init_scale: float = 65536.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        hysteresis: int = 1,
+        consecutive_hysteresis: bool = True,
+        min_scale: float = 1.0,
+        max_scale: float = 16777216.0,
+        loss_scale: Optional[float] = None,
+        skip_nonfinite: bool = True,
+        max_consecutive_skips: Optional[int] = 100,
+        hold_schedulers_on_skip: bool = True,
+        tf32: Optional[bool] = None,
+        release_grads_after_step: bool = True,
+        fp32_modules: Optional[list[str]] = None,
+        master_weights: Optional[Union[str, bool]] = None,
+        fp8: Optional[Union[FP8Config, dict]] = None,
+        reduce_dtype: Optional[str] = None,
+        fsdp_param_dtype: Optional[str] = None,
+        spike_sigma: Optional[float] = None,
+        spike_window: int = 128,
+    ) -> None:
+        arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
+        self._start(MPSettings.from_arguments(**arguments))  # every bad value raises here, before training
+
     def _start(self, settings: MPSettings) -> None:
-        """Hold ``settings`` (checked) and what runs from them; called by the plugin's constructor."""
+        """Hold ``settings`` (checked) and what runs from them; each plugin adds its own state after this."""
         self._settings = settings
         skips = settings.skips
         self._spike = None if skips.spike_sigma is None else SpikeGuard(skips.spike_sigma, skips.spike_window)

@@ -178,11 +178,13 @@ def test_the_checks_that_need_the_mode_run_where_it_is_known():
 
 # ---------------------------------------------------------------------------------------------- defaults, once
 def test_the_defaults_are_written_once():
-    """MPPlugin's signature, the settings' fields and DynamicLossScaler's signature take DEFAULTS' very objects."""
+    """The settings' fields and DynamicLossScaler's signature take DEFAULTS' very objects; MPPlugin's signature
+    writes the same values out (the API reference and type checkers show them), equal in value and type."""
     non_none = {name for name, p in PLUGIN_PARAMETERS.items() if p.default is not None}
     assert non_none == set(DEFAULTS)
     for name, value in DEFAULTS.items():
-        assert PLUGIN_PARAMETERS[name].default is value, name
+        default = PLUGIN_PARAMETERS[name].default
+        assert default == value and type(default) is type(value), name
     fields = {f.name: f for cls in SETTINGS_CLASSES for f in dataclasses.fields(cls)}
     for name, value in DEFAULTS.items():
         assert fields[name].default is value, name
@@ -392,3 +394,19 @@ def test_a_given_scaler_with_loss_scale_arguments_is_refused(kwargs):
     with pytest.raises(ValueError, match=f"so {name} would be ignored"):
         MPPlugin("fp16", scaler=torch.amp.GradScaler("cpu", init_scale=8.0), **kwargs)
     MPPlugin("fp16", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))  # alone: fine
+
+
+def test_the_constructors_defaults_are_the_settings_defaults():
+    """Both plugins share one constructor whose defaults are written out (the API reference shows them): they are
+    lightning_mp.settings.DEFAULTS, and the plugins take the same arguments."""
+    import inspect
+
+    from lightning_mp import MPFabricPrecision, MPPlugin
+    from lightning_mp.settings import DEFAULTS
+
+    trainer_side = inspect.signature(MPPlugin).parameters
+    fabric_side = inspect.signature(MPFabricPrecision).parameters
+    assert list(trainer_side) == list(fabric_side)
+    for name, value in DEFAULTS.items():
+        assert trainer_side[name].default == value, name
+    assert MPPlugin().settings == MPPlugin(**{k: v for k, v in DEFAULTS.items()}).settings
