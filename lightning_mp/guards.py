@@ -71,7 +71,6 @@ from torch.utils._pytree import tree_map_only
 
 _TORCH_LOSS = "torch.nn.modules.loss._Loss"
 
-#: modules kept in fp32 when ``fp32_modules`` is not given (class-name patterns; base classes count)
 DEFAULT_FP32_MODULES: tuple[str, ...] = (
     "*LayerNorm",
     "*RMSNorm",
@@ -87,6 +86,11 @@ DEFAULT_FP32_MODULES: tuple[str, ...] = (
     # model wrapped in a class called e.g. "CaptionLoss" and silently run all of it in fp32
     _TORCH_LOSS,
 )
+"""The modules kept in fp32 when ``fp32_modules`` is not given (or is ``"defaults"``), as class-name patterns
+matched against a module's class and its base classes: the normalization layers (LayerNorm, RMSNorm, GroupNorm,
+BatchNorm, InstanceNorm, LocalResponseNorm), softmax and its variants, and every torch loss module (by their base
+class ``torch.nn.modules.loss._Loss``). Extend it with ``fp32_modules=["defaults", "lm_head"]``; turn the guards
+off with ``fp32_modules=[]``."""
 
 DEFAULTS_TOKEN = "defaults"
 
