@@ -5,10 +5,14 @@ fused AdamW, random tokens) at two sizes, once per mode, all in one process:
 
 ====================  =====================================================================================
 mp-bf16               ``MPPlugin("bf16")``: the reference for the fp32-master-weights target
-mp-fp8                ``MPPlugin("fp8")`` defaults: fp32 master weights, delayed scaling, the LM head in bf16
-mp-fp8-all            fp32 master weights, ``keep_last=0``, ``size_rule="off"`` and no FP32 guards: every linear
-                      and LayerNorm in TE (the fastest fp32-master configuration)
-mp-fp8-bf16w          ``MPPlugin("fp8", fp8={"weights": "bf16"})``: bf16 weights, no fp32 copy
+mp-fp8                ``MPPlugin("fp8")`` defaults: bf16 weights in the model, fp32 master weights in the step,
+                      delayed scaling, the LM head in bf16
+mp-fp8-head           the defaults with the LM head in FP8 too (``keep_last=0``): the head's bf16 cost on its own
+mp-fp8-all            the defaults with ``keep_last=0``, ``size_rule="off"`` and no FP32 guards: every linear
+                      and LayerNorm in TE (the same layers as Lightning's plugin)
+mp-fp8-fp32w          ``fp8={"weights": "fp32"}``: fp32 weights in the model (the default until 0.2: an fp32
+                      residual stream)
+mp-fp8-bf16w          ``MPPlugin("fp8", master_weights="none")``: bf16 weights, no fp32 copy
 mp-fp8-bf16w-all      bf16 weights, ``keep_last=0``, ``size_rule="off"`` and no FP32 guards: the same layers in
                       TE as Lightning's plugin (the LM head and LayerNorms too), for a like-for-like comparison
 lightning-te          ``Trainer(precision="transformer-engine")``: Lightning's TransformerEnginePrecision
@@ -88,7 +92,8 @@ from common import (  # noqa: E402
     weights_fingerprint,
 )
 
-ALL_MODES = ("mp-bf16", "mp-fp8", "mp-fp8-all", "mp-fp8-bf16w", "mp-fp8-bf16w-all", "lightning-te")
+ALL_MODES = ("mp-bf16", "mp-fp8", "mp-fp8-head", "mp-fp8-all", "mp-fp8-fp32w", "mp-fp8-bf16w", "mp-fp8-bf16w-all",
+             "lightning-te")
 #: diagnostic modes (``--modes`` names them): what the defaults' parts cost
 EXTRA_MODES = (
     "mp-fp8-noguards",
@@ -105,7 +110,9 @@ EXTRA_MODES = (
 )
 FP8_SETTINGS: dict[str, dict[str, Any]] = {
     "mp-fp8": {},
+    "mp-fp8-head": {"keep_last": 0},
     "mp-fp8-all": {"keep_last": 0, "size_rule": "off"},
+    "mp-fp8-fp32w": {"weights": "fp32"},
     "mp-fp8-bf16w": {"weights": "bf16"},
     "mp-fp8-bf16w-all": {"weights": "bf16", "keep_last": 0, "size_rule": "off"},
     # the defaults with the LayerNorms converted to TE (guards off), head still bf16
@@ -124,9 +131,11 @@ FP8_SETTINGS: dict[str, dict[str, Any]] = {
 #: the Trainer's accelerator; a module global so the logic can be dry-run elsewhere
 ACCELERATOR = "gpu"
 #: (mode, reference, target speed ratio)
+#: modes whose bf16 weights train without fp32 master weights (Lightning's layout)
+NO_MASTERS = ("-bf16w",)
 TARGETS = (
-    ("mp-fp8", "mp-bf16", 1.6),
-    ("mp-fp8-all", "mp-bf16", 1.6),
+    ("mp-fp8", "lightning-te", 0.95),
+    ("mp-fp8-all", "lightning-te", 0.95),
     ("mp-fp8-bf16w", "lightning-te", 1.0),
     ("mp-fp8-bf16w-all", "lightning-te", 1.0),
     # fp32 masters kept by the optimizer (bf16 weights in the model): the fp32-master target again
@@ -203,6 +212,8 @@ def run_mode(
     else:
         unguarded = "-all" in mode or mode.endswith("-noguards")
         extra = _mp_kwargs_without_guards() if unguarded else {}
+        if any(tag in mode for tag in NO_MASTERS) and not mode.endswith(("-teadam", "-teadam-bf16m")):
+            extra["master_weights"] = "none"  # (FusedAdam(master_weights=True) keeps its own: found by the plugin)
         plugin = make_fp8_plugin(FP8_SETTINGS[mode], **extra)
     if plugin is not None:
         kwargs["plugins"] = [plugin]

@@ -25,17 +25,16 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 
 import lightning_mp.distributed as distributed
-from lightning_mp.fp8 import fp8_gemm_modules
 
 
 def prepare_fp8(pl_module: LightningModule, module: Optional[nn.Module] = None) -> nn.Module:
-    """Swap ``module``'s linear layers (default: the whole ``pl_module``'s) for Transformer Engine's now, with the
+    """Swap ``module``'s linear layers (default: the whole ``pl_module``'s) for the FP8 backend's now, with the
     Trainer's ``MPPlugin("fp8")`` settings (layer filter, recipe, weights dtype); returns ``module``.
 
     Call it in ``configure_model`` before sharding. Under any other precision plugin or mode it does nothing,
     so the same LightningModule runs in bf16 or fp8 by the Trainer flag alone. The plugin then adopts the
     converted model at set-up (FP8 state, saturation sentinel and weight cache as on one device). A model that
-    is sharded and has Transformer Engine layers already (``configure_model`` runs again for ``validate`` after
+    is sharded and has FP8 layers already (``configure_model`` runs again for ``validate`` after
     ``fit``) is left as it is.
     """
     from lightning_mp.plugin import MPPlugin
@@ -51,12 +50,15 @@ def prepare_fp8(pl_module: LightningModule, module: Optional[nn.Module] = None) 
     if not isinstance(plugin, MPPlugin) or plugin.mode is None or not plugin.mode.fp8:
         return target
     if distributed.sharded_before_setup(target):
-        if fp8_gemm_modules(target):
+        if plugin._run.fp8 is not None and plugin._run.fp8.is_converted(target):
             return target  # prepared by an earlier configure_model (fit, then validate): the plugin adopts it
         raise MisconfigurationException(
             "prepare_fp8 found sharded parameters (DTensor, or FSDP units): fully_shard or FSDP wrapping already ran"
             " on this model, and a sharded layer cannot be replaced. Call prepare_fp8(self) first in"
             " configure_model, then fully_shard (or wrap)."
         )
-    plugin._run.convert_fp8(target, trainer.strategy.root_device)
+    shards = distributed.is_strategy(trainer.strategy, "FSDPStrategy") or distributed.is_strategy(
+        trainer.strategy, "ModelParallelStrategy"
+    )  # (weights="auto": fp32 shards, the masters, gathered for compute)
+    plugin._run.convert_fp8(target, trainer.strategy.root_device, sharded=shards)
     return target

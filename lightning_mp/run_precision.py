@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mp.distributed import sharded_before_setup
-from lightning_mp.fp8 import FP8Training, fp8_gemm_modules
+from lightning_mp.fp8.backend import FP8Backend, make_backend, settle_weights
 from lightning_mp.modes import (
     AUTO,
     MODES,
@@ -28,7 +28,7 @@ from lightning_mp.patches import Patches
 from lightning_mp.nonfinite import NonfiniteGuard, StepGuard
 from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler, adopt_scaler
 from lightning_mp.settings import LossScaleSettings, MPSettings
-from lightning_mp.true_half import MasterWeightsSetup
+from lightning_mp.true_half import MasterWeightsSetup, cast_half_weights_
 
 
 class RunPrecision:
@@ -48,12 +48,13 @@ class RunPrecision:
     ) -> None:
         self.settings = settings
         self.requested = settings.precision
-        self.patches = patches if patches is not None else Patches()  # TF32 flags, TE's amax reduction: undone here
+        self.patches = patches if patches is not None else Patches()  # TF32 flags, FP8 hooks: undone here
         self.device = device
+        self.weights = weights  # the master weights (true-half modes, and fp8 with bf16 weights)
         self.mode: Optional[PrecisionMode] = None
         #: the loss scaler (fp16 modes), the inf/NaN step guard (other modes), or ``None`` (``skip_nonfinite=False``)
         self.scaler: Optional[StepGuard] = None
-        self.fp8: Optional[FP8Training] = None
+        self.fp8: Optional[FP8Backend] = None  # the FP8 backend (lightning_mp.fp8.backend)
         self.sharded = False  # under Lightning's FSDP strategy (picks the scaler class)
         self._tf32_saved: Optional[tuple[bool, bool]] = None
         if self.requested != AUTO:
@@ -79,7 +80,7 @@ class RunPrecision:
     def set_mode(self, mode: PrecisionMode) -> None:
         """Run in ``mode`` from now on (checked already), with a scaler of its own that keeps the last one's state."""
         if mode.fp8 and self.fp8 is None:
-            self.fp8 = FP8Training(self.settings.fp8)
+            self.fp8 = make_backend(self.settings.fp8)
         previous, self.mode = self.scaler, mode
         self.scaler = self._build_scaler(mode, previous)
 
@@ -118,30 +119,39 @@ class RunPrecision:
             self.scaler.ensure_initialized(device)
         self.apply_tf32()
 
-    def convert_fp8(self, module: Any, device: torch.device) -> None:
-        """fp8: swap the linear layers for Transformer Engine's (checks the GPU and TE first; logs what it did).
+    def convert_fp8(self, module: Any, device: torch.device, *, sharded: bool = False) -> None:
+        """fp8: swap the linear layers for the backend's FP8 layers (checks the GPU and the library first; logs what
+        it did), and keep the weights in the dtype ``fp8={"weights": ...}`` settles on: ``"auto"`` is bf16 weights
+        with fp32 master weights in the step, or, where the model is sharded (``sharded``, FSDP, FSDP2), fp32 shards
+        (the masters) gathered for compute.
 
         A model whose layers were swapped already (by :func:`lightning_mp.prepare_fp8` in ``configure_model``) is
-        adopted as it is; a model sharded in ``configure_model`` needs that, or TE layers built in.
+        adopted as it is; a model sharded in ``configure_model`` needs that, or FP8 layers built in.
         """
         fp8 = self.fp8
         if self.mode is None or not self.mode.fp8 or fp8 is None or fp8.model is module:
             return
+        sharded = sharded or self.sharded or sharded_before_setup(module)
+        if fp8.model is None:  # (a part converted in configure_model settled it then)
+            fp8.weights = settle_weights(fp8.config, sharded=sharded)
+            self.weights.fp8_weights = fp8.weights
         if fp8.model is not None and any(m is fp8.model for m in module.modules()):
             fp8.adopt(module, device)  # a part converted in configure_model: state names are the whole module's
         elif sharded_before_setup(module):
-            if not fp8_gemm_modules(module):
+            if not fp8.is_converted(module):
                 raise MisconfigurationException(
                     "MPPlugin(precision='fp8'): the model's parameters were sharded (FSDP2's fully_shard, or FSDP"
-                    " units wrapped in configure_model) before this plugin could swap its linear layers for"
-                    " Transformer Engine's. Call lightning_mp.prepare_fp8(self) at the top of configure_model,"
-                    " before fully_shard or the wrapping (it swaps"
-                    " them with this plugin's fp8 settings and does nothing under other precisions), or build the"
-                    " model from Transformer Engine modules."
+                    f" units wrapped in configure_model) before this plugin could swap its linear layers for"
+                    f" {fp8.name}'s FP8 layers. Call lightning_mp.prepare_fp8(self) at the top of configure_model,"
+                    " before fully_shard or the wrapping (it swaps them with this plugin's fp8 settings and does"
+                    " nothing under other precisions), or build the model from FP8 layers."
                 )
             fp8.adopt(module, device)
+            return
         else:
-            fp8.convert(module, device=device, announce=rank_zero_info)
+            fp8.convert(module, device=device, announce=rank_zero_info, cast_weights=False)
+        if fp8.weights == "bf16":  # (after the swap: the exact fp32 values stay known for the master weights)
+            cast_half_weights_(module, torch.bfloat16)
 
     def connect_fp8(self, module: Any, device: torch.device, *, watch: bool, optimizers: list) -> None:
         if self.fp8 is None or not self.active.fp8:
@@ -160,8 +170,7 @@ class RunPrecision:
         )
         if self.fp8.watch_saturation(watch) is not None:  # infs that FP8 casts saturate join the step's verdict
             fp8 = self.fp8
-            self.patches.add("Transformer Engine's amax reduction and FP8 module hooks (saturation checks)",
-                             lambda: fp8.watch_saturation(False))
+            self.patches.add(f"{fp8.name}'s FP8 hooks (saturation checks)", lambda: fp8.watch_saturation(False))
 
     def switch(self, precision: str, *, started: bool) -> PrecisionMode:
         """Another mode between two optimizer steps (``started``: weights and layers are already converted)."""

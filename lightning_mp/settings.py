@@ -386,7 +386,14 @@ class MPSettings(_Settings):
         settings are built for a named mode, when ``auto`` settles at set-up, and (``switch``) when
         ``MPPlugin.set_precision`` switches between steps, where only what the new mode cannot run with is refused
         (the warnings and the contradictions of the arguments concern the mode the run started in)."""
-        if self.master_weights is not None and not mode.true_half:
+        if self.master_weights is not None and mode.fp8 and self.fp8.weights in ("fp32", "fp8"):
+            raise ValueError(
+                f"master_weights={self.master_weights!r} applies to bf16 weights, but fp8={{'weights':"
+                f" {self.fp8.weights!r}}} keeps "
+                + ("fp32 weights (there is no master copy to keep)" if self.fp8.weights == "fp32" else
+                   "FP8 weights, whose fp32 masters the optimizer keeps (FusedAdam(master_weights=True))")
+                + ". Leave master_weights unset, or use fp8={'weights': 'auto'} (the default: bf16 weights).")
+        if self.master_weights is not None and not mode.true_half and not mode.fp8:
             _refuse_master_weights(self.master_weights, f"precision={mode.name!r} keeps fp32")
         wanted = self.distributed.fsdp_param_dtype
         if wanted not in (None, "fp32") and (mode.autocast_dtype or mode.param_dtype) is not REDUCE_DTYPES[wanted]:

@@ -11,6 +11,7 @@ from typing import Optional, Union
 import torch
 
 from lightning_mp.fp8 import FP8Config
+from lightning_mp.fp8.backend import settle_weights
 from lightning_mp.guards import FP32GuardSpec
 from lightning_mp.master import MasterWeights
 from lightning_mp.modes import PrecisionMode
@@ -72,7 +73,7 @@ class PrecisionRun:
         skips = settings.skips
         self._spike = None if skips.spike_sigma is None else SpikeGuard(skips.spike_sigma, skips.spike_window)
         self._patches = Patches()  # every change to objects we do not own, undone at teardown (lightning_mp.patches)
-        self._weights = MasterWeightsSetup(settings.master_weights)
+        self._weights = MasterWeightsSetup(settings.master_weights, settle_weights(settings.fp8, sharded=False))
         self._run = RunPrecision(
             settings, device=settings.device or ("cuda" if torch.cuda.is_available() else "cpu"),
             weights=self._weights, patches=self._patches,

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.distributed import world_size
+from lightning_mp.guards import fp32_guard_of
 from lightning_mp.fp8.primary import is_quantized
 from lightning_mp.master import (
     FP32MasterWeights,
@@ -42,17 +43,30 @@ def _nothing() -> None:
     pass
 
 
+def cast_half_weights_(module: nn.Module, dtype: torch.dtype) -> int:
+    """The weights outside the FP32 guards installed on ``module`` become ``dtype`` (in place, the fp32 values kept
+    for master weights made later, as :func:`cast_weights_` in true-half modes); returns how many tensors."""
+    guarded = [name for name, sub in module.named_modules() if name and fp32_guard_of(sub) is not None]
+    return cast_module_(module, dtype, keep_fp32=guarded)
+
+
 class MasterWeightsSetup:
     """The ``master_weights`` option (checked in :mod:`lightning_mp.settings`) and the master weights it made (kept
     across ``fit`` calls of one plugin)."""
 
-    def __init__(self, asked: Optional[str]) -> None:
+    def __init__(self, asked: Optional[str], fp8_weights: str = "bf16") -> None:
         self.asked = asked
+        #: the dtype fp8 keeps the model's weights in (settled at set-up): bf16 gets master weights as true-half does
+        self.fp8_weights = fp8_weights
         self.found: Optional[str] = None  # "optimizer" when unset and every optimizer keeps its own masters
         self.masters: Optional[MasterWeights] = None
 
+    def half_weights(self, mode: Optional[PrecisionMode]) -> bool:
+        """Whether ``mode`` trains half-precision weights (true-half modes; fp8 with bf16 weights)."""
+        return mode is not None and (mode.true_half or (mode.fp8 and self.fp8_weights == "bf16"))
+
     def kind(self, mode: Optional[PrecisionMode]) -> Optional[str]:
-        if mode is None or not mode.true_half:
+        if not self.half_weights(mode):
             return None
         return self.asked or self.found or "fp32"
 
@@ -68,12 +82,12 @@ class MasterWeightsSetup:
         """The master weights for this run's optimizers (``None``: the optimizers step the parameters), on
         ``device`` (masters kept from an earlier fit waited on the CPU)."""
         _warn_redundant_optimizer_masters(mode, optimizers)
-        if not mode.true_half or fsdp:
+        if not self.half_weights(mode) or fsdp:
             return None  # (under FSDP the fp32 shards are the master weights)
         if self._optimizer_keeps_masters(mode, optimizers):
             return None
         kind = self.kind(mode)
-        assert kind is not None  # true_half
+        assert kind is not None  # half weights
         if kind == "none":
             if mode.needs_scaler:
                 _warn_eps_underflow(optimizers)

@@ -124,7 +124,8 @@ OFF = dict(size_rule="off")  # toy layers are far below the auto size threshold
 # --------------------------------------------------------------------------------------------- config
 def test_config_defaults_and_recipe_settings():
     cfg = FP8Config()
-    assert (cfg.recipe, cfg.weights, cfg.fp8_in_eval, cfg.keep_first, cfg.keep_last) == ("delayed", "fp32", False, 0, 1)
+    assert (cfg.recipe, cfg.weights, cfg.fp8_in_eval, cfg.keep_first, cfg.keep_last) == ("delayed", "auto", False, 0, 1)
+    assert (cfg.backend, cfg.convert_layernorm) == ("transformer_engine", True)
     assert cfg.recipe_settings() == {
         "recipe": "delayed", "fp8_format": "HYBRID", "margin": 0, "amax_history_len": 1024, "amax_compute_algo": "max"
     }
@@ -182,7 +183,7 @@ def test_config_from_value():
         ({"size_rule": "big"}, r"fp8 size_rule='big' is invalid\. Accepted values: 'auto', 'off'"),
         ({"size_rule": "off", "min_features": 512}, r"min_features=512 takes effect with size_rule='auto' only"),
         ({"min_features": -3}, r"fp8 min_features=-3 is invalid"),
-        ({"weights": "fp16"}, r"fp8 weights='fp16' is invalid\. Accepted values: 'fp32', 'bf16', 'fp8'"),
+        ({"weights": "fp16"}, r"fp8 weights='fp16' is invalid\. Accepted values: 'auto', 'fp32', 'bf16', 'fp8'"),
         ({"fp8_in_eval": "yes"}, r"fp8 fp8_in_eval='yes' is invalid: use true or false"),
         ({"convert_layernorm": 1}, r"convert_layernorm=1 is invalid: use true or false"),
         ({"check_saturation": "no"}, r"check_saturation='no' is invalid: use true or false"),
@@ -192,9 +193,9 @@ def test_config_from_value():
         ),
         (
             {"amax_history": 16},
-            r"Unknown fp8 setting 'amax_history'\. Did you mean 'amax_history_len'\? Accepted settings: recipe,",
+            r"Unknown fp8 setting 'amax_history'\. Did you mean 'amax_history_len'\? Accepted settings: backend, recipe,",
         ),
-        ({"speed": 2}, r"Unknown fp8 setting 'speed'\. Accepted settings: recipe, fp8_format,"),
+        ({"speed": 2}, r"Unknown fp8 setting 'speed'\. Accepted settings: backend, recipe, fp8_format,"),
     ],
 )
 def test_config_errors_name_the_value_and_the_accepted_ones(values, pattern):

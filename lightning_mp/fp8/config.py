@@ -17,7 +17,19 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-RecipeName = Literal["delayed", "current", "block", "mxfp8"]
+RecipeName = Literal["delayed", "current", "block", "mxfp8", "tensorwise", "rowwise"]
+BackendName = Literal["transformer_engine", "torchao"]
+
+#: backend -> its recipes, the first its default (``recipe`` left unset)
+BACKEND_RECIPES: dict[str, tuple[str, ...]] = {
+    "transformer_engine": ("delayed", "current", "block", "mxfp8"),
+    "torchao": ("tensorwise", "rowwise"),
+}
+#: how the backend may be written (YAML, the CLI) -> its name
+BACKEND_ALIASES: dict[str, str] = {
+    "transformer_engine": "transformer_engine", "transformer-engine": "transformer_engine", "te": "transformer_engine",
+    "torchao": "torchao", "ao": "torchao",
+}  # fmt: skip
 
 #: recipe name -> the class in ``transformer_engine.common.recipe``
 RECIPE_CLASSES: dict[str, str] = {
@@ -27,7 +39,10 @@ RECIPE_CLASSES: dict[str, str] = {
     "mxfp8": "MXFP8BlockScaling",
 }
 #: the format each recipe uses when ``fp8_format`` is left unset (Transformer Engine's own defaults)
-DEFAULT_FORMATS: dict[str, str] = {"delayed": "HYBRID", "current": "HYBRID", "block": "E4M3", "mxfp8": "E4M3"}
+DEFAULT_FORMATS: dict[str, str] = {
+    "delayed": "HYBRID", "current": "HYBRID", "block": "E4M3", "mxfp8": "E4M3",
+    "tensorwise": "E4M3", "rowwise": "E4M3",  # (torchao's: E4M3 for inputs, weights and gradients)
+}  # fmt: skip
 FORMATS = ("HYBRID", "E4M3")
 #: recipe-specific fields and the recipes they apply to
 RECIPE_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
@@ -36,7 +51,7 @@ RECIPE_ONLY_FIELDS: dict[str, tuple[str, ...]] = {
     "amax_compute_algo": ("delayed",),
 }
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
-WEIGHTS = ("fp32", "bf16", "fp8")
+WEIGHTS = ("auto", "fp32", "bf16", "fp8")
 SIZE_RULES = ("auto", "off")
 CACHE_MODES = ("auto", "always", "never")
 
@@ -98,7 +113,8 @@ class FP8Config:
             Needs the plugin's inf/NaN check (``skip_nonfinite=True``, the default).
     """
 
-    recipe: RecipeName = "delayed"
+    backend: BackendName = "transformer_engine"
+    recipe: RecipeName = None  # type: ignore[assignment]  # (None: the backend's first recipe, set at init)
     fp8_format: Optional[Literal["HYBRID", "E4M3"]] = None
     margin: Optional[int] = None
     amax_history_len: Optional[int] = None
@@ -109,8 +125,8 @@ class FP8Config:
     keep_last: int = 1
     size_rule: Literal["auto", "off"] = "auto"
     min_features: Optional[int] = None
-    convert_layernorm: bool = True
-    weights: Literal["fp32", "bf16", "fp8"] = "fp32"
+    convert_layernorm: Optional[bool] = None
+    weights: Literal["auto", "fp32", "bf16", "fp8"] = "auto"
     fp8_in_eval: bool = False
     cache_fp8_weights: Literal["auto", "always", "never"] = "auto"
     check_saturation: bool = True
@@ -119,7 +135,25 @@ class FP8Config:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("recipe", _choice("recipe", self.recipe, tuple(RECIPE_CLASSES), lower=True))
+        backend = BACKEND_ALIASES.get(str(self.backend).strip().lower()) if isinstance(self.backend, str) else None
+        if backend is None:
+            raise ValueError(
+                f"fp8 backend={self.backend!r} is invalid. Accepted values: 'transformer_engine', 'torchao'."
+            )
+        put("backend", backend)
+        recipes = BACKEND_RECIPES[backend]
+        if self.recipe is None:
+            put("recipe", recipes[0])
+        else:
+            other = [b for b, names in BACKEND_RECIPES.items() if b != backend
+                     and isinstance(self.recipe, str) and self.recipe.strip().lower() in names]  # fmt: skip
+            if other:
+                raise ValueError(
+                    f"fp8 recipe={self.recipe!r} is a recipe of backend={other[0]!r}, not of backend={backend!r}"
+                    f" (its recipes: {', '.join(repr(r) for r in recipes)}). Set backend={other[0]!r}, or pick one"
+                    " of those."
+                )
+            put("recipe", _choice("recipe", self.recipe, recipes, lower=True))
         if self.fp8_format is not None:
             put("fp8_format", _choice("fp8_format", self.fp8_format, FORMATS, upper=True))
         if self.amax_compute_algo is not None:
@@ -150,9 +184,20 @@ class FP8Config:
                 f" size_rule={self.size_rule!r}. Remove min_features, or set size_rule='auto'."
             )
         for name in ("convert_layernorm", "fp8_in_eval", "check_saturation"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "convert_layernorm" and self.convert_layernorm
+                                                                  is None):
                 raise ValueError(f"fp8 {name}={getattr(self, name)!r} is invalid: use true or false.")
         put("weights", _choice("weights", self.weights, WEIGHTS, lower=True))
+        if backend == "torchao":
+            for name in ("fp8_format", "convert_layernorm"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"fp8 {name}={getattr(self, name)!r} applies to backend='transformer_engine' only: torchao"
+                        " swaps nn.Linear layers alone, and its recipes fix the formats (E4M3 forward and backward)."
+                        f" Remove {name}."
+                    )
+        put("convert_layernorm", backend == "transformer_engine" if self.convert_layernorm is None
+            else self.convert_layernorm)  # fmt: skip
         put("cache_fp8_weights", _choice("cache_fp8_weights", self.cache_fp8_weights, CACHE_MODES, lower=True))
 
     # ------------------------------------------------------------------ construction

@@ -158,6 +158,7 @@ def convert_to_te(
     device: Optional[torch.device] = None,
     announce: Optional[Callable[[str], None]] = None,
     recipe: Any = None,
+    weights: Optional[str] = None,
 ) -> ConversionReport:
     """Swap the model's eligible ``nn.Linear``/``nn.LayerNorm`` for ``te.Linear``/``te.LayerNorm``, in place.
 
@@ -184,16 +185,19 @@ def convert_to_te(
             INFO on this module's logger. The module-by-module list is logged at DEBUG either way.
         recipe: with ``config.weights="fp8"``, the Transformer Engine recipe the FP8 weights are made for
             (``None``: built from ``config``).
+        weights: the dtype the new modules' weights get (``"fp32"``, ``"bf16"``, ``"fp8"``); ``None``:
+            ``config.weights`` (``"auto"``: the old weights' fp32, for the caller to cast).
     """
     config = config if config is not None else FP8Config()
     if te is None:
         te = import_te()
     keep = ModuleFilter(module, config, module_filter_fn)
-    dtype = WEIGHT_DTYPES[config.weights]
-    report = ConversionReport(weights=config.weights)
-    if config.weights == "fp8" and recipe is None:
+    weights = weights or ("fp32" if config.weights == "auto" else config.weights)  # (auto: the caller casts)
+    dtype = WEIGHT_DTYPES[weights]
+    report = ConversionReport(weights=weights)
+    if weights == "fp8" and recipe is None:
         recipe = build_recipe(config)
-    fp8_recipe = recipe if config.weights == "fp8" else None
+    fp8_recipe = recipe if weights == "fp8" else None
 
     # every path of every module: a module held twice is replaced at both places by one new module
     paths: dict[int, list[str]] = {}

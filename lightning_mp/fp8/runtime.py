@@ -46,6 +46,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_mp.fp8.backend import settle_weights
 from lightning_mp.fp8.config import FP8Config
 from lightning_mp.fp8.convert import ConversionReport, apply_weights_dtype, convert_to_te
 from lightning_mp.fp8.filters import ModuleFilterFn
@@ -231,6 +232,26 @@ def fp8_scaling_state(model: nn.Module) -> dict[str, dict[str, Any]]:
     return out
 
 
+#: (meta key, tensor index in it, name): TE's forward meta holds input 0 and weight 1, the backward meta grad 0
+_LAYER_TENSORS = (("scaling_fwd", 0, "input"), ("scaling_fwd", 1, "weight"), ("scaling_bwd", 0, "grad"))
+_FP8_MAX = {"input": 448.0, "weight": 448.0, "grad": 57344.0}  # E4M3 forward, E5M2 gradients (HYBRID)
+
+
+def _delayed_layer_stats(meta: dict[str, Any]) -> dict[str, float]:
+    recipe = meta.get("recipe")
+    e4m3 = "E4M3" in str(getattr(recipe, "fp8_format", "")) and "HYBRID" not in str(getattr(recipe, "fp8_format", ""))
+    stats: dict[str, float] = {}
+    for key, index, name in _LAYER_TENSORS:
+        if key not in meta:
+            continue
+        scale = float(meta[key].scale[index])
+        amax = float(meta[key].amax_history[0, index])
+        top = 448.0 if e4m3 else _FP8_MAX[name]
+        stats[f"{name}_scale"], stats[f"{name}_amax"] = scale, amax
+        stats[f"{name}_headroom"] = top / (amax * scale) if amax * scale > 0 else float("inf")
+    return stats
+
+
 def fit_amax_history(history: Tensor, length: int) -> Tensor:
     """``history`` cut or zero-padded to ``length`` rows, as TE's ``adjust_amax_history_length`` does.
 
@@ -410,6 +431,8 @@ class FP8Training:
 
     def __init__(self, config: Union[FP8Config, dict[str, Any], None] = None) -> None:
         self.config = FP8Config.from_value(config)
+        #: the dtype the model's weights are kept in ("auto" settled: bf16; the plugins settle it per strategy)
+        self.weights = settle_weights(self.config, sharded=False)
         self.report: Optional[ConversionReport] = None
         self.weight_cache = MicrobatchWeightCache()
         self._model: Optional[nn.Module] = None
@@ -423,6 +446,8 @@ class FP8Training:
         self._fp8_params: list[Tensor] = []  # the FP8 primary weights (weights="fp8")
 
     # ------------------------------------------------------------------ set-up
+    name = "transformer_engine"
+
     @property
     def recipe(self) -> Any:
         """The Transformer Engine recipe object (built once, on first use; one object keeps TE's caches warm)."""
@@ -446,6 +471,7 @@ class FP8Training:
         *,
         module_filter_fn: Optional[ModuleFilterFn] = None,
         announce: Optional[Callable[[str], None]] = None,
+        cast_weights: bool = True,
     ) -> ConversionReport:
         """Check the hardware, swap the layers, set the weights dtype, install the checkpoint hooks.
 
@@ -455,6 +481,9 @@ class FP8Training:
             module_filter_fn: an extra ``(module, fqn) -> bool`` rule (torchao style).
             announce: where the one-line summary goes (e.g. Lightning's ``rank_zero_info``); ``None`` logs it
                 at INFO on the ``lightning_mp.fp8`` logger. The module-by-module list is logged at DEBUG.
+            cast_weights: with ``weights="bf16"``, cast the model's weights (outside FP32 guards) to bf16 here;
+                ``False``: the new layers keep the old weights' fp32 values and the caller casts (the plugins do,
+                keeping the exact fp32 values for the master weights).
         """
         device = torch.device(device) if device is not None else torch.device("cuda")
         self.check(device)
@@ -467,9 +496,12 @@ class FP8Training:
             te=te,
             device=device if device.index is not None else None,
             announce=announce,
-            recipe=self.recipe if self.config.weights == "fp8" else None,
+            recipe=self.recipe if self.weights == "fp8" else None,
+            weights=self.weights if cast_weights or self.weights == "fp8" else "fp32",
         )
-        apply_weights_dtype(model, self.config.weights)
+        report.weights = self.weights
+        if cast_weights:
+            apply_weights_dtype(model, self.weights)
         self.report = report
         if not any(r.kind == "Linear" for r in report.converted) and not report.already_te:
             warnings.warn(
@@ -505,6 +537,31 @@ class FP8Training:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             self.load_state_dict(pending)
+
+    def is_converted(self, module: nn.Module) -> bool:
+        """Whether ``module`` holds Transformer Engine layers that run FP8 GEMMs (swapped earlier, or built so)."""
+        return bool(fp8_gemm_modules(module))
+
+    def release(self) -> None:
+        """Undo what the run installed on the model: the saturation watch and the weight cache's hooks."""
+        self.watch_saturation(False)
+        self.weight_cache.detach()
+
+    def layer_stats(self) -> dict[str, dict[str, float]]:
+        """Per FP8 layer, the scaling Transformer Engine keeps (delayed scaling): the scale and the latest amax of
+        the input (``input_*``), the weight (``weight_*``) and the output gradient (``grad_*``), and
+        ``*_headroom``: the fp8 range over the scaled latest amax (below 1: that tensor's largest values were clipped
+        to the format's maximum at the last cast). Empty for recipes that keep no scaling state (current, block,
+        mxfp8 scale each tensor from itself: nothing saturates by construction). One host read per call."""
+        if self._model is None:
+            return {}
+        out: dict[str, dict[str, float]] = {}
+        for fqn, module in named_modules_unwrapped(self._model).items():
+            meta = getattr(module, "fp8_meta", None)
+            if not isinstance(meta, dict) or "scaling_fwd" not in meta or not _is_delayed(meta.get("recipe")):
+                continue
+            out[fqn] = _delayed_layer_stats(meta)
+        return out
 
     def configure_weight_cache(self, *, accumulate_grad_batches: int = 1, automatic_optimization: bool = True) -> bool:
         """Attach or detach the :class:`MicrobatchWeightCache` per ``cache_fp8_weights``; returns whether it is on.
