@@ -476,7 +476,33 @@ def _check_outputs(args: argparse.Namespace) -> None:
             raise InputError("--plot", f"{args.plot}: needs matplotlib (pip install matplotlib)") from None
 
 
+def _check_timed(args: argparse.Namespace, device_type: str, warmup: Optional[int], rounds: Optional[int]) -> None:
+    """Refuse, before anything runs, a run that would time no step: after the warm-up, the step whose memory the CPU
+    counts and PrecisionMonitor's steps are untimed, and a short run may have no other (``warmup``/``rounds``: the
+    values given, ``None`` where left to their defaults)."""
+    schedule = Schedule(args.steps, args.warmup, args.rounds)
+    if schedule.timed_steps(device_type, _monitor_every(schedule)):
+        return
+
+    def times_a_step(steps: int) -> bool:
+        warm = warmup if warmup is not None else min(DEFAULT_WARMUP, steps - 1)
+        longer = Schedule(steps, warm, rounds if rounds is not None else min(DEFAULT_ROUNDS, steps - warm))
+        return bool(longer.timed_steps(device_type, _monitor_every(longer)))
+
+    enough = next(n for n in range(args.steps + 1, args.steps + 1000) if times_a_step(n))
+    monitor_every = _monitor_every(schedule)
+    untimed = []
+    for i in range(schedule.warmup, schedule.steps):
+        why = ["counts the memory on the CPU"] if device_type != "cuda" and i == schedule.memory_step else []
+        why += ["gathers PrecisionMonitor's per-layer figures"] if (i + 1) % monitor_every == 0 else []
+        untimed.append(f"step {i + 1} {' and '.join(why)}")
+    warm = f"{schedule.warmup} warm-up step{'s' if schedule.warmup != 1 else ''}"
+    raise InputError("--steps", f"{args.steps}: after {warm} no step is left to time ({'; '.join(untimed)}: not"
+                                f" timed), so no speed can be compared; use --steps {enough} or more")
+
+
 def _main(args: argparse.Namespace, extras: list[str]) -> int:
+    warmup, rounds = args.warmup, args.rounds  # as given (None: the default, set to fit --steps)
     _check_numbers(args)
     device_type = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -499,6 +525,7 @@ def _main(args: argparse.Namespace, extras: list[str]) -> int:
                 warnings.filterwarnings("ignore", message=message)
             spec = make_spec(args.model, args.model_args, args.datamodule, args.datamodule_args, args.config, extras,
                              device_type)
+            _check_timed(args, device_type, warmup, rounds)  # before anything trains
             seed = args.seed if args.seed is not None else (spec.seed if spec.seed is not None else 0)
             return _compare(args, spec, device_type, modes, seed)
     finally:
@@ -659,7 +686,8 @@ def _compare(args: argparse.Namespace, spec: Any, device_type: str, modes: list[
     if decision.mode is None:
         ran = [r for r in ordered if r.ran]
         why = ("no mode ran" if not ran else
-               "no mode ran within the thresholds; keep fp32 and look at the unstable rows")
+               "no mode was timed; rerun with more --steps" if not any(r.step_ms is not None for r in ran) else
+               "no mode ran within the thresholds; keep fp32 and look at the rows' stability notes")
         print(report.recommendation_text(None, why))
         code = 1
     else:

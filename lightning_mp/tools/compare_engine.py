@@ -481,6 +481,17 @@ class Schedule:
         base, extra = divmod(timed, self.rounds)
         return [base + (1 if r < extra else 0) for r in range(self.rounds)]
 
+    def untimed(self, index: int, device_type: str, monitor_every: Optional[int]) -> bool:
+        """Whether step ``index`` (0-based) of a round goes untimed: the step whose memory the CPU counts, and the
+        steps on which PrecisionMonitor gathers its per-layer figures."""
+        if device_type != "cuda" and index == self.memory_step:
+            return True
+        return monitor_every is not None and (index + 1) % monitor_every == 0
+
+    def timed_steps(self, device_type: str, monitor_every: Optional[int]) -> list[int]:
+        """The steps (0-based) each mode times: those after the warm-up that :meth:`untimed` leaves."""
+        return [i for i in range(self.warmup, self.steps) if not self.untimed(i, device_type, monitor_every)]
+
     @property
     def memory_step(self) -> int:
         """The step whose memory the CPU counts (untimed): the last warm-up step, the second step at the latest
@@ -517,9 +528,7 @@ def run_jobs(
             p.step_memory = _StepMemory()
 
     def untimed(index: int) -> bool:
-        if device_type != "cuda" and index == schedule.memory_step:
-            return True
-        return monitor_every is not None and (index + 1) % monitor_every == 0
+        return schedule.untimed(index, device_type, monitor_every)
 
     def start(p: _Participant) -> Callable[[], None]:
         def go() -> None:

@@ -201,20 +201,24 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
     out = []
     if pick == safest and pick == fastest:
         others = [m for m in decision.tied if m != pick]
-        if others:
-            each = "; ".join(f"{m} {_inverse(decision.vs_fastest[m])}" for m in others)
-            slower = [m for m in others if decision.vs_fastest[m].lo > 1.0]  # measurably slower, under the margin
-            how = ("within noise" if not slower else
-                   f"by the {need} rule: measurably slower, but not surely by the {need} a mode must differ by"
-                   if len(slower) == len(others) else f"within noise or by the {need} rule")
-            out.append(f"No mode is faster than {pick}, the numerically safest: {_join(others)}"
-                       f" {'ties' if len(others) == 1 else 'tie'} with it {how} ({each}).")
-        elif decision.beaten:
-            gap = min(decision.vs_fastest[m].lo for m in decision.beaten)
-            out.append(f"{pick} is the fastest mode here and the numerically safest: every other mode is at least"
-                       f" {gap:.2f}x slower (lower end of the 95% interval).")
+        level = [m for m in others if not _slower(decision, m)]  # within noise
+        slower = [m for m in others if _slower(decision, m)]  # its whole interval below the pick's speed
+        if level:
+            each = "; ".join(f"{m} {_inverse(decision.vs_fastest[m])}" for m in level)
+            out.append(f"No mode is faster than {pick}, the numerically safest: {_join(level)}"
+                       f" {'ties' if len(level) == 1 else 'tie'} with it within noise ({each}).")
+        elif others or decision.beaten:
+            out.append(f"{pick} is the fastest mode here and the numerically safest.")
         else:
             out.append(f"{pick} is the only mode that qualified.")
+        if slower:
+            each = "; ".join(f"{m} {_inverse(decision.vs_fastest[m])}" for m in slower)
+            out.append(f"{_join(slower)} {'is' if len(slower) == 1 else 'are'} slower than {pick} ({each}).")
+        if decision.beaten:
+            gap = min(decision.vs_fastest[m].lo for m in decision.beaten)
+            who = "Every other mode is" if not others else \
+                f"{_join(decision.beaten)} {'is' if len(decision.beaten) == 1 else 'are'}"
+            out.append(f"{who} at least {gap:.2f}x slower (lower end of the 95% interval).")
     elif pick == safest:
         lead = decision.vs_fastest[pick]
         measurably = "measurably faster, but " if lead.lo > 1.0 else ""
@@ -236,15 +240,20 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
         out.append("The step is mostly fixed overhead (see Size above): no precision can speed it up much, so"
                    f" {pick} costs nothing here.")
     also = [m for m in decision.tied if m not in (pick, fastest)] if pick != fastest else []
-    if also:
-        out.append(f"{_join(also)} {'ties' if len(also) == 1 else 'tie'} with the fastest too.")
+    level = [m for m in also if not _slower(decision, m)]
+    if level:
+        out.append(f"{_join(level)} {'ties' if len(level) == 1 else 'tie'} with the fastest too.")
+    slower = [m for m in also if _slower(decision, m)]
+    if slower:
+        each = "; ".join(f"{m} {_inverse(decision.vs_fastest[m])}" for m in slower)
+        out.append(f"{_join(slower)} {'is' if len(slower) == 1 else 'are'} slower than the fastest ({each}).")
     pick_row = rows.get(pick)
     lighter = [rows[m] for m in decision.tied if m != pick and m in rows and _lighter(rows[m], pick_row)]
     if lighter:
         best = min(lighter, key=_peak_mem)
         saved = 100 * (1 - _peak_mem(best) / _peak_mem(pick_row))
-        out.append(f"{best.mode} ties with it on speed and needs {saved:.0f}% less memory: use it if memory is what"
-                   " limits you.")
+        how = "is slower but" if pick == fastest and _slower(decision, best.mode) else "ties with it on speed and"
+        out.append(f"{best.mode} {how} needs {saved:.0f}% less memory: use it if memory is what limits you.")
     if decision.thin is not None:
         out.append(f"Confidence is {decision.confidence}: little was timed, {decision.thin}"
                    + ("; the timings were noisy too" if noisy else "")
@@ -253,6 +262,13 @@ def explain(decision: Decision, results: Sequence[ModeResult], probe: Optional[P
         out.append("Confidence is low: " + ("the timings were noisy; " if noisy else "")
                    + "rerun on a quiet machine, or with more --steps and --rounds, for a sharper answer.")
     return " ".join(out)
+
+
+def _slower(decision: Decision, mode: str) -> bool:
+    """Whether ``mode`` is measurably slower than the fastest: the whole 95% interval of its speed relative to the
+    fastest lies below 1.0 (it may still tie under the margin rule, but it is not "as fast")."""
+    ratio = decision.vs_fastest.get(mode)
+    return ratio is not None and ratio.lo > 1.0
 
 
 def _x(ratio: Any) -> str:

@@ -384,8 +384,12 @@ def _spec_from_config(path: str, model: Optional[str], model_json: dict[str, Any
         model_args = dict(model_section.get("init_args") or {})
     else:
         if model_section and model is None:
-            raise InputError("--config", f"{path!r}: the model section has no class_path; name the class with"
-                                         " --model pkg.mod:Class, or add class_path: to the model section")
+            model = _builtin_for(model_section, data.get("data") or {})  # the repository's own example configs
+            if model is None:
+                raise InputError("--config", f"{path!r}: the model section has no class_path; name the class with"
+                                             " --model pkg.mod:Class, or add class_path: to the model section")
+            notes.append(f"model: {model} (the built-in model whose arguments the config's model section names;"
+                         " --model picks another)")
         model = model or "gpt-mini"
         model_cls = load_class(model, "--model")
         _check_model_class(model_cls, "--model", model)
@@ -456,6 +460,28 @@ def _spec_from_config(path: str, model: Optional[str], model_json: dict[str, Any
                 seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None, flag="--config")
 
 
+def _builtin_for(model_section: dict[str, Any], data_section: dict[str, Any]) -> Optional[str]:
+    """The one built-in model (with its data module) that takes every argument of a config's model and data sections
+    without ``class_path``: the configs of the repository's examples (``examples/configs/gpt_mini_bf16.yaml``) name
+    no class, their script does; ``None`` when none or several fit (the examples import from a source checkout)."""
+    fits = []
+    for name, spec in BUILTIN_MODELS.items():
+        try:
+            model_cls = load_class(spec, "--model")
+            dm_spec = BUILTIN_DATAMODULES.get(name)
+            dm_cls = load_class(dm_spec, "--datamodule") if dm_spec else None
+        except InputError:  # not importable here (the examples outside a source checkout)
+            continue
+        model_args = accepted_args(model_cls)
+        data_args = accepted_args(dm_cls) if dm_cls is not None else []
+        if model_args is not None and not set(model_section) <= set(model_args):
+            continue
+        if data_section and data_args is not None and not set(data_section) <= set(data_args):
+            continue
+        fits.append(name)
+    return fits[0] if len(fits) == 1 else None
+
+
 def _as_file(data: dict[str, Any], path: str) -> str:
     """A copy of the (changed) config for jsonargparse, next to the original so relative paths still resolve."""
     import atexit
@@ -476,8 +502,8 @@ def _build_cli(model_cls: Any, subclass_model: bool, dm_cls: Any, subclass_data:
     try:
         import jsonargparse  # noqa: F401 - a clear message when missing
     except ImportError:
-        raise InputError("--config", "reading a Lightning CLI config needs jsonargparse: pip install"
-                                     " 'jsonargparse[signatures]'") from None
+        raise InputError("--config", "reading a Lightning CLI config needs jsonargparse, which comes with the cli"
+                                     ' extra: pip install "lightning-mp[cli]"') from None
     from lightning.pytorch import LightningDataModule, LightningModule
 
     from lightning_mp.tools.cli import CLIConfigError, MPLightningCLI

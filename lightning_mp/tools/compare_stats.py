@@ -130,6 +130,14 @@ class Ratio:
         """Whether the whole interval lies at or above ``threshold``."""
         return self.lo >= threshold
 
+    def inverse(self) -> "Ratio":
+        """The same measurement the other way round: ``time(B) / time(A)`` (median and interval ends inverted)."""
+        return Ratio(_reciprocal(self.median), _reciprocal(self.hi), _reciprocal(self.lo), self.n, self.paired)
+
+
+def _reciprocal(x: float) -> float:
+    return math.inf if x == 0 else 0.0 if math.isinf(x) else 1 / x
+
 
 def _bootstrap(values: Sequence[float], rng: random.Random) -> tuple[float, float]:
     n = len(values)
@@ -146,11 +154,34 @@ def speedup(
 ) -> Optional[Ratio]:
     """How many times faster mode B is than mode A: ``time(A) / time(B)``, with a 95 % bootstrap interval.
 
+    One figure per pair of modes: ``speedup(b, a)`` is ``speedup(a, b).inverse()`` exactly (each pair is measured in
+    one direction, fixed by the timings, and read in the other by inverting it: the median of the inverse ratios
+    is not the inverse of their median where the rounds are even in number, so the table and the text would
+    otherwise give two figures for one speed-up).
+
     ``rounds_a[r]`` / ``rounds_b[r]``: the median step time of each mode in round ``r`` (``None`` where a mode did
     not run). Paired by round when at least 3 rounds have both; otherwise the step times ``steps_a``/``steps_b``
     are resampled unpaired (ratio of medians), and with fewer than 3 steps on a side the interval is unbounded
     (nothing can be told apart). Two single figures without step times are taken as exact (zero-width interval).
     """
+    if _direction(rounds_b, steps_b) < _direction(rounds_a, steps_a):
+        other = _speedup(rounds_b, rounds_a, steps_b, steps_a)
+        return other.inverse() if other is not None else None
+    return _speedup(rounds_a, rounds_b, steps_a, steps_b)
+
+
+def _direction(rounds: Sequence[Optional[float]], steps: Sequence[float]) -> tuple:
+    """A total order on timings: the pair's measured direction is from the lesser to the greater."""
+    return tuple((0, x) if x is not None else (1, 0.0) for x in rounds), tuple(steps)
+
+
+def _speedup(
+    rounds_a: Sequence[Optional[float]],
+    rounds_b: Sequence[Optional[float]],
+    steps_a: Sequence[float],
+    steps_b: Sequence[float],
+) -> Optional[Ratio]:
+    """:func:`speedup` in the direction given."""
     rng = random.Random(0)
     pairs = [a / b for a, b in zip(rounds_a, rounds_b) if a is not None and b is not None and b > 0]
     if len(pairs) >= 3:
