@@ -431,11 +431,11 @@ def _compiled_forward(module: nn.Module, backend: str) -> Callable[..., Tensor]:
     return fn
 
 
-def _float8_class(module: nn.Module) -> type:
+def _float8_class(module: nn.Module) -> Any:
     return next(c for c in type(module).__mro__ if c.__name__ == "Float8Linear")
 
 
-def _float8_forward(route: ForwardRoute, module: nn.Module, input: Tensor) -> Tensor:
+def _float8_forward(route: ForwardRoute, module: Any, input: Tensor) -> Tensor:
     """A converted layer's forward: ``F.linear`` where FP8 is off, else torchao's (compiled when chosen)."""
     if not route.fp8:
         return F.linear(input, module.weight, module.bias)  # in the surrounding autocast dtype, as nn.Linear
@@ -510,13 +510,14 @@ class Float8Watch:
     def _before(self, fqn: str, module: nn.Module, args: tuple) -> None:
         if not (module.training and torch.is_grad_enabled()) or not args or not isinstance(args[0], Tensor):
             return None
-        x, weight = args[0], module.weight
+        x, weight = args[0], getattr(module, "weight", None)
         with torch.no_grad():
             entry = self._last.setdefault(fqn, {})
             if x.numel():
                 entry["input_amax"] = amax = torch.linalg.vector_norm(x.detach().float(), math.inf)
                 self._raise(amax)
-            if type(weight) in (Tensor, nn.Parameter):  # (not FSDP2's FP8-gathered weight: cast already)
+            # (not FSDP2's FP8-gathered weight: cast already)
+            if isinstance(weight, Tensor) and type(weight) in (Tensor, nn.Parameter):
                 entry["weight_amax"] = amax = torch.linalg.vector_norm(weight.detach().float(), math.inf)
                 self._raise(amax)
         return None
