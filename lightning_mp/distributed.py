@@ -219,17 +219,13 @@ def connect(
     fsdp_param_dtype: Optional[str],
     hooked: list,
     *,
-    fp8: bool = False,
+    fp8: Any = None,
 ) -> Optional[torch.nn.Module]:
-    """The strategy's model is known: gradient compression, rank agreement on skips, Transformer Engine's FSDP
-    set-up (fp8); returns the root FSDP module."""
+    """The strategy's model is known: gradient compression, rank agreement on skips, the FP8 backend's FSDP
+    set-up (``fp8``: the backend, where the run trains in fp8); returns the root FSDP module."""
     fsdp_root = model if is_fsdp(model) else None
-    if fsdp_root is not None and fp8:
-        # each Transformer Engine module that is an FSDP unit of its own gets its process group (TE then shards its
-        # FP8 weight copies and saved activations between forward and backward, as FSDP shards the weights)
-        from transformer_engine.pytorch.distributed import prepare_te_modules_for_fsdp
-
-        prepare_te_modules_for_fsdp(fsdp_root)
+    if fsdp_root is not None and fp8 is not None:
+        fp8.prepare_fsdp(fsdp_root)
     if fsdp_root is None and fsdp_param_dtype not in (None, "fp32"):
         rank_zero_warn(
             f"MPPlugin: fsdp_param_dtype={fsdp_param_dtype!r} is set, but the model is not wrapped by FSDP: it takes"

@@ -50,7 +50,7 @@ class PrecisionMode:
 
     @property
     def fp8(self) -> bool:
-        """Whether linear layers run FP8 GEMMs through Transformer Engine."""
+        """Whether linear layers run FP8 GEMMs (through the FP8 backend: :mod:`lightning_mp.fp8.backend`)."""
         return self.name == "fp8"
 
     @property
@@ -81,7 +81,7 @@ MODES: dict[str, PrecisionMode] = {
         ),
         PrecisionMode(
             "fp8", "transformer-engine", torch.bfloat16, False, None,
-            "Transformer Engine FP8 GEMMs, bf16 autocast for the rest, fp32 master weights",
+            "FP8 GEMMs (Transformer Engine or torchao), bf16 weights and autocast for the rest, fp32 master weights",
         ),
     )
 }
@@ -239,7 +239,7 @@ def resolve_mode(name: str, device_type: str) -> PrecisionMode:
     if name == "fp8":
         from lightning_mp.fp8.support import FP8UnavailableError, fp8_device_problem
 
-        problem = fp8_device_problem(device_type)  # the GPU and TE; the recipe is checked when the plugin connects
+        problem = fp8_device_problem(device_type, library=False)  # the backend checks its library and recipe later
         if problem:
             raise FP8UnavailableError(problem)
     if torch.bfloat16 in mode.low_precision_dtypes and not bf16_supported(device_type):

@@ -153,7 +153,8 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         announce(self, module)  # rank zero, once per fit: "lightning_mp: using bf16 mixed precision (...) on cuda"
         self.stats.set_scaler(self._run.scaler)
         dtypes = (self.reduce_dtype, self.fsdp_param_dtype)
-        self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=mode.fp8)
+        fp8 = self._fp8 if mode.fp8 else None
+        self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=fp8)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         fsdp = self._fsdp_root is not None
         masters = self._weights.connect(mode, module or model, raw, fsdp=fsdp, device=device)

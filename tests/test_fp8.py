@@ -486,7 +486,7 @@ def test_messages_cpu_and_old_gpus():
 def test_message_without_transformer_engine():
     text = fp8_support_problem(device_type="cuda", capability=(9, 0), device_name="NVIDIA H100", te_version=None)
     assert "Transformer Engine, which is not installed" in text
-    assert "`pip install lightning-mp[fp8]`" in text and "precision='bf16'" in text
+    assert '`pip install "lightning-mp[fp8]"`' in text and "precision='bf16'" in text
 
 
 def test_messages_for_recipes():
@@ -530,9 +530,9 @@ def test_convert_on_cpu_fails_before_touching_the_model():
 def test_import_te_names_the_install_command():
     from lightning_mp.fp8.support import import_te
 
-    with pytest.raises(FP8UnavailableError, match=r"pip install lightning-mp\[fp8\]"):
+    with pytest.raises(FP8UnavailableError, match=r"pip install \"lightning-mp\[fp8\]\""):
         import_te()
-    with pytest.raises(FP8UnavailableError, match=r"pip install lightning-mp\[fp8\]"):
+    with pytest.raises(FP8UnavailableError, match=r"pip install \"lightning-mp\[fp8\]\""):
         check_fp8_support(torch.device("cuda"), "delayed")  # no GPU here either: TE is the first blocker named
 
 

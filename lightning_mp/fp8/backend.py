@@ -108,6 +108,9 @@ class FP8Backend(Protocol):
 
     def layer_stats(self) -> dict[str, dict[str, float]]: ...
 
+    def prepare_fsdp(self, fsdp_root: nn.Module) -> None:
+        """FSDP (1) wrapped the model (Lightning's FSDP strategy): what the library needs done to its layers."""
+
     def release(self) -> None: ...
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 RecipeName = Literal["delayed", "current", "block", "mxfp8", "tensorwise", "rowwise"]
@@ -119,8 +119,8 @@ class FP8Config:
     margin: Optional[int] = None
     amax_history_len: Optional[int] = None
     amax_compute_algo: Optional[Literal["max", "most_recent"]] = None
-    include: list[str] = field(default_factory=lambda: ["*"])
-    exclude: list[str] = field(default_factory=list)
+    include: Union[list[str], tuple[str, ...]] = ("*",)
+    exclude: Union[list[str], tuple[str, ...]] = ()
     keep_first: int = 0
     keep_last: int = 1
     size_rule: Literal["auto", "off"] = "auto"

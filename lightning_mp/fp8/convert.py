@@ -159,6 +159,7 @@ def convert_to_te(
     announce: Optional[Callable[[str], None]] = None,
     recipe: Any = None,
     weights: Optional[str] = None,
+    kept_as: Optional[str] = None,
 ) -> ConversionReport:
     """Swap the model's eligible ``nn.Linear``/``nn.LayerNorm`` for ``te.Linear``/``te.LayerNorm``, in place.
 
@@ -187,6 +188,7 @@ def convert_to_te(
             (``None``: built from ``config``).
         weights: the dtype the new modules' weights get (``"fp32"``, ``"bf16"``, ``"fp8"``); ``None``:
             ``config.weights`` (``"auto"``: the old weights' fp32, for the caller to cast).
+        kept_as: the weights' dtype in training, for the report, when the caller casts after the swap.
     """
     config = config if config is not None else FP8Config()
     if te is None:
@@ -194,7 +196,7 @@ def convert_to_te(
     keep = ModuleFilter(module, config, module_filter_fn)
     weights = weights or ("fp32" if config.weights == "auto" else config.weights)  # (auto: the caller casts)
     dtype = WEIGHT_DTYPES[weights]
-    report = ConversionReport(weights=weights)
+    report = ConversionReport(weights=kept_as or weights)
     if weights == "fp8" and recipe is None:
         recipe = build_recipe(config)
     fp8_recipe = recipe if weights == "fp8" else None

@@ -498,8 +498,8 @@ class FP8Training:
             announce=announce,
             recipe=self.recipe if self.weights == "fp8" else None,
             weights=self.weights if cast_weights or self.weights == "fp8" else "fp32",
+            kept_as=self.weights,
         )
-        report.weights = self.weights
         if cast_weights:
             apply_weights_dtype(model, self.weights)
         self.report = report
@@ -541,6 +541,13 @@ class FP8Training:
     def is_converted(self, module: nn.Module) -> bool:
         """Whether ``module`` holds Transformer Engine layers that run FP8 GEMMs (swapped earlier, or built so)."""
         return bool(fp8_gemm_modules(module))
+
+    def prepare_fsdp(self, fsdp_root: nn.Module) -> None:
+        """FSDP (1) wrapped the model: each Transformer Engine module that is an FSDP unit of its own gets its process
+        group (TE then shards its FP8 weight copies and saved activations between forward and backward)."""
+        from transformer_engine.pytorch.distributed import prepare_te_modules_for_fsdp
+
+        prepare_te_modules_for_fsdp(fsdp_root)
 
     def release(self) -> None:
         """Undo what the run installed on the model: the saturation watch and the weight cache's hooks."""

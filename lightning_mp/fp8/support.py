@@ -24,7 +24,7 @@ import torch
 
 from lightning_mp.fp8.config import RECIPE_CLASSES, FP8Config
 
-INSTALL_HINT = "pip install lightning-mp[fp8]"
+INSTALL_HINT = 'pip install "lightning-mp[fp8]"'
 #: compute capability of the first GPUs with FP8 tensor cores (Ada)
 FP8_MIN_CAPABILITY = (8, 9)
 
@@ -118,7 +118,7 @@ def fp8_support_problem(
     if te_version is None:
         return (
             "precision='fp8' runs its FP8 matrix multiplies through NVIDIA Transformer Engine, which is not"
-            f" installed. Install it with `{INSTALL_HINT}` (or `pip install transformer-engine[pytorch]`),"
+            f" installed. Install it with `{INSTALL_HINT}` (or `pip install \"transformer-engine[pytorch]\"`),"
             " or use precision='bf16'."
         )
     cls = RECIPE_CLASSES.get(recipe, recipe)
@@ -199,8 +199,9 @@ def fp8_support_facts(device: Union[str, torch.device], recipe: str = "delayed")
     return facts
 
 
-def fp8_device_problem(device_type: str) -> Optional[str]:
-    """Why this kind of device cannot run FP8 at all (device, compute capability, TE installed), or ``None``.
+def fp8_device_problem(device_type: str, *, library: bool = True) -> Optional[str]:
+    """Why this kind of device cannot run FP8 at all (device, compute capability, and with ``library`` TE
+    installed), or ``None``. The plugins check the device here and the backend's library when they connect.
 
     Cheap (Transformer Engine is looked for, not imported): what ``resolve_mode("fp8", device_type)`` needs.
 
@@ -212,7 +213,7 @@ def fp8_device_problem(device_type: str) -> Optional[str]:
     if device_type == "cuda" and torch.cuda.is_available():
         facts["capability"] = tuple(torch.cuda.get_device_capability())
         facts["device_name"] = torch.cuda.get_device_name()
-    facts["te_version"] = te_version()
+    facts["te_version"] = te_version() if library else "(not checked)"
     return fp8_support_problem(**facts)
 
 

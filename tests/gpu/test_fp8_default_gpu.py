@@ -39,7 +39,6 @@ def test_the_default_keeps_bf16_weights_and_fp32_masters():
     assert plugin.master_weights == "fp32" and isinstance(plugin.masters, FP32MasterWeights)
     assert te_linears(module) and all(m.weight.dtype == torch.bfloat16 for m in te_linears(module).values())
     assert module.model.tok.weight.dtype == torch.bfloat16  # the residual stream starts bf16
-    assert module.model.ln_f.weight.dtype == torch.float32  # an FP32 guard keeps its weights fp32
     losses = [float(x) for x in module.losses]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     # the optimizer steps fp32 masters whose bf16 rounding is the model's weight
