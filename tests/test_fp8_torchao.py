@@ -270,7 +270,7 @@ def test_sentinel_flags_a_poisoned_input_and_a_poisoned_gradient(on_cpu):
     model = toy()
     fp8 = TorchAOFloat8({**AO, **OFF, "weights": "fp32"})
     fp8.convert(model, "cpu")
-    assert fp8.sentinel.take() is None  # nothing ran yet
+    assert fp8.sentinel.take() is None  # not watching
     assert fp8.watch_saturation() == "hooks"
     with fp8.autocast(training=True):
         lm_loss(model, tokens(0)).backward()
@@ -307,7 +307,7 @@ def test_sentinel_ignores_evaluation_and_can_be_switched_off(on_cpu):
         model.emb.weight[:] = float("inf")
     with torch.no_grad(), fp8.autocast(training=False):
         model(tokens(0)[:, :-1])
-    assert fp8.sentinel.take() is None  # an eval forward runs no check
+    assert fp8.sentinel.take().item() == 0  # an eval forward runs no check
     assert fp8.watch_saturation(False) is None and fp8.layer_stats() == {}
     assert TorchAOFloat8({**AO, **OFF, "check_saturation": False}).watch_saturation() is None
 
@@ -427,3 +427,29 @@ def test_compile_is_left_to_a_compiled_model(on_cpu):
     flagged._compiler_ctx = {"compiler": "dynamo"}  # what Lightning records on a module handed over compiled
     assert fp8._decide_compile(flagged, torch.device("cuda")) is False
     assert TorchAOFloat8(AO, compile_layers=False)._decide_compile(toy(), torch.device("cuda")) is False
+
+
+@pytest.mark.slow
+def test_the_watch_works_inside_a_compiled_model_without_graph_breaks(on_cpu):
+    model = toy()
+    fp8 = TorchAOFloat8({**AO, **OFF, "weights": "fp32"}, compile_layers=False)
+    fp8.convert(model, "cpu")
+    fp8.watch_saturation()
+    compiled = torch.compile(model, backend="aot_eager")
+    batch = tokens(0)[:, :-1]
+    explained = torch._dynamo.explain(model)(batch)
+    assert explained.graph_break_count == 0
+    with fp8.autocast(training=True):
+        compiled(batch).float().sum().backward()
+    assert fp8.sentinel.take().item() == 0 and fp8.layer_stats()["stem"]["grad_amax"] > 0
+    with torch.no_grad():
+        model.emb.weight[batch[0, 0]] = float("inf")
+    with fp8.autocast(training=True):
+        compiled(batch).float().sum().backward()
+    assert fp8.sentinel.take().item() > 0
+
+
+def test_fsdp1_needs_nothing_but_refuses_fp8_weights():
+    TorchAOFloat8(AO).prepare_fsdp(nn.Linear(16, 16))
+    with pytest.raises(ValueError, match=r"FSDP \(1\) does not run"):
+        TorchAOFloat8({**AO, "weights": "fp8"}).prepare_fsdp(nn.Linear(16, 16))

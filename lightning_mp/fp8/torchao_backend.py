@@ -57,8 +57,10 @@ Decisions, and why:
   min/max need not propagate NaN and can clamp it to the FP8 maximum, a finite value no gradient check sees. The
   sentinel (:class:`Float8Watch`) reads, before each training forward of an FP8 layer, the amax of its input and its
   weight, and in backward the amax of its output gradient (a tensor hook on the output: no ``BackwardHookFunction``
-  around the layer's inputs, which a full backward hook would add), and adds ``not isfinite(amax)`` to a device flag:
-  no host sync. The amaxes it keeps are what :meth:`TorchAOFloat8.layer_stats` reports.
+  around the layer's inputs, which a full backward hook would add). The hooks write only into one device buffer (the
+  last amaxes and their running maximum, which keeps a NaN or inf), so a compiled model traces them without a graph
+  break; ``sentinel.take()`` turns the running maxima into the step's flag on the device: no host sync. The last
+  amaxes are what :meth:`TorchAOFloat8.layer_stats` reports.
 * **Checkpoints.** Dynamic scaling keeps no state: :meth:`TorchAOFloat8.state_dict` records the recipe and torchao's
   version only, and a checkpoint from another recipe or backend loads with a warning.
 """
@@ -473,86 +475,97 @@ class Float8Watch:
 
     Before each training forward (grad enabled, module in train mode) of a watched layer: the amax (``max |x|``) of
     its input and of its weight, one reduction each; in backward, that of its output gradient (a tensor hook on the
-    output). Each adds ``not isfinite(amax)`` to the flag on the device; no host sync. The last amaxes are kept per
-    layer (device tensors, read only by :meth:`amaxes`).
+    output). The hooks only write into one buffer made at :meth:`attach` (per layer: the last amaxes, and their
+    running maximum since the last :meth:`take`, where a NaN or inf stays), so they hold no Python state a compiled
+    model would trace as a side effect; :meth:`take` turns the running maxima into the flag in three kernels, on
+    the device: no host sync.
     """
 
     mode = "hooks"
+    _NAMES = ("input_amax", "weight_amax", "grad_amax")
 
     def __init__(self) -> None:
-        self._flag: Optional[Tensor] = None
+        self._buffer: Optional[Tensor] = None  # (layers, 2, 3): [last, running max] x [input, weight, grad]
+        self._names: list[str] = []
         self._handles: list[Any] = []
-        self._last: dict[str, dict[str, Tensor]] = {}
 
     @property
     def attached(self) -> bool:
         return bool(self._handles)
 
     def attach(self, layers: dict[str, nn.Module]) -> str:
-        """Watch ``layers`` (``{fqn: Float8Linear}``); returns the mode (``"hooks"``)."""
+        """Watch ``layers`` (``{fqn: Float8Linear}``, on one device); returns the mode (``"hooks"``)."""
         self.detach()
-        for fqn, module in layers.items():
-            self._handles.append(module.register_forward_pre_hook(functools.partial(self._before, fqn)))
-            self._handles.append(module.register_forward_hook(functools.partial(self._after, fqn)))
+        if not layers:
+            return self.mode
+        first: Any = next(iter(layers.values()))
+        device = first.weight.device
+        self._buffer = torch.full((len(layers), 2, 3), -1.0, device=device)  # -1: not seen yet
+        self._buffer[:, 1] = 0.0
+        self._names = list(layers)
+        for row, module in zip(self._buffer.unbind(0), layers.values()):
+            self._handles.append(module.register_forward_pre_hook(functools.partial(_watch_before, row)))
+            self._handles.append(module.register_forward_hook(functools.partial(_watch_after, row)))
         return self.mode
 
     def detach(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._last.clear()
-
-    def _raise(self, amax: Tensor) -> None:
-        if self._flag is None or self._flag.device != amax.device:
-            self._flag = torch.zeros((), dtype=torch.float32, device=amax.device)
-        self._flag.add_((~torch.isfinite(amax)).sum())
-
-    def _before(self, fqn: str, module: nn.Module, args: tuple) -> None:
-        if not (module.training and torch.is_grad_enabled()) or not args or not isinstance(args[0], Tensor):
-            return None
-        x, weight = args[0], getattr(module, "weight", None)
-        with torch.no_grad():
-            entry = self._last.setdefault(fqn, {})
-            if x.numel():
-                entry["input_amax"] = amax = torch.linalg.vector_norm(x.detach().float(), math.inf)
-                self._raise(amax)
-            # (not FSDP2's FP8-gathered weight: cast already)
-            if isinstance(weight, Tensor) and type(weight) in (Tensor, nn.Parameter):
-                entry["weight_amax"] = amax = torch.linalg.vector_norm(weight.detach().float(), math.inf)
-                self._raise(amax)
-        return None
-
-    def _after(self, fqn: str, module: nn.Module, args: tuple, output: Any) -> None:
-        if module.training and torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad:
-            output.register_hook(functools.partial(self._grad, fqn))
-        return None
-
-    def _grad(self, fqn: str, grad: Tensor) -> None:
-        if grad.numel():
-            with torch.no_grad():
-                self._last.setdefault(fqn, {})["grad_amax"] = amax = torch.linalg.vector_norm(grad.float(), math.inf)
-                self._raise(amax)
+        self._buffer, self._names = None, []
 
     def take(self) -> Optional[Tensor]:
-        """The flag since the last ``take`` (a new 0-dim tensor on the device, 0 or more), and reset it; ``None``
-        before any watched training forward."""
-        flag = self._flag
-        if flag is None:
+        """How many amaxes were inf/NaN since the last ``take`` (a new 0-dim float tensor on the device), and reset;
+        ``None`` when nothing is watched."""
+        if self._buffer is None:
             return None
-        out = flag.clone()
-        flag.zero_()  # in place: the same tensor the hooks add to
-        return out
+        running = self._buffer[:, 1]
+        flag = (~torch.isfinite(running)).sum().float()
+        running.zero_()
+        return flag
 
     def amaxes(self) -> dict[str, dict[str, float]]:
-        """The last amaxes per layer as floats (one host read for all)."""
-        items = [(fqn, name, t) for fqn, entry in self._last.items() for name, t in entry.items()]
-        if not items:
+        """The last amaxes per layer as floats (one host read for all); a layer not run yet is left out."""
+        if self._buffer is None:
             return {}
-        values = torch.stack([t.float().to(items[0][2].device) for _, _, t in items]).tolist()
         out: dict[str, dict[str, float]] = {}
-        for (fqn, name, _), value in zip(items, values):
-            out.setdefault(fqn, {})[name] = value
+        for fqn, values in zip(self._names, self._buffer[:, 0].tolist()):
+            seen = {name: v for name, v in zip(self._NAMES, values) if v != -1.0}
+            if seen:
+                out[fqn] = seen
         return out
+
+
+def _record(row: Tensor, slots: slice, amax: Tensor) -> None:
+    """``amax`` (1-D) into the row's last values and its running maximum (NaN kept: ``maximum`` propagates it)."""
+    row[0, slots].copy_(amax)
+    torch.maximum(row[1, slots], amax, out=row[1, slots])
+
+
+def _watch_before(row: Tensor, module: nn.Module, args: tuple) -> None:
+    if not (module.training and torch.is_grad_enabled()) or not args or not isinstance(args[0], Tensor):
+        return None
+    x, weight = args[0], getattr(module, "weight", None)
+    with torch.no_grad():
+        # (not FSDP2's FP8-gathered weight: cast already)
+        if isinstance(weight, Tensor) and type(weight) in (Tensor, nn.Parameter):
+            both = torch.stack([torch.linalg.vector_norm(x.detach(), math.inf).float(),
+                                torch.linalg.vector_norm(weight.detach(), math.inf).float()])  # fmt: skip
+            _record(row, slice(0, 2), both)
+        else:
+            _record(row, slice(0, 1), torch.linalg.vector_norm(x.detach(), math.inf).float().reshape(1))
+    return None
+
+
+def _watch_after(row: Tensor, module: nn.Module, args: tuple, output: Any) -> None:
+    if module.training and torch.is_grad_enabled() and isinstance(output, Tensor) and output.requires_grad:
+        output.register_hook(functools.partial(_watch_grad, row))
+    return None
+
+
+def _watch_grad(row: Tensor, grad: Tensor) -> None:
+    with torch.no_grad():
+        _record(row, slice(2, 3), torch.linalg.vector_norm(grad, math.inf).float().reshape(1))
 
 
 # --------------------------------------------------------------------------------------------- everything together
@@ -727,6 +740,18 @@ class TorchAOFloat8:
                     " lightning_mp.prepare_fp8(self) in configure_model before fully_shard), or weights='auto'."
                 )
         return 0
+
+    def prepare_fsdp(self, fsdp_root: nn.Module) -> None:
+        """FSDP (1) wrapped the model: ``Float8Linear`` keeps plain parameters, which FSDP gathers in their own dtype;
+        nothing to do. ``weights="fp8"`` (FSDP2's FP8 all-gather) is refused.
+
+        Raises ``ValueError`` for ``weights="fp8"``.
+        """
+        if self.weights == "fp8":
+            raise ValueError(
+                "fp8 weights='fp8' with backend='torchao' is FSDP2's float8 all-gather, which FSDP (1) does not run."
+                " Use ModelParallelStrategy (FSDP2), or weights='auto'."
+            )
 
     def configure_weight_cache(self, *, accumulate_grad_batches: int = 1, automatic_optimization: bool = True) -> bool:
         """No cache: torchao casts the weights in each forward (compiled, the cast fuses with the amax). False."""
