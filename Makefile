@@ -15,12 +15,14 @@ STAMP := $(VENV)/.lightning_mp-installed
 # holds the torch request the venv was built with; rewritten only when TORCH_SPEC or TORCH_INDEX_URL changes
 TORCH_STAMP := $(VENV)/.torch-spec
 TORCH_REQUEST := $(TORCH_SPEC)$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX_URL))
-# LitGPT for tests/test_fabric_litgpt.py (a Fabric program of others), installed without its dependencies: its
-# jsonargparse<=4.41 pin conflicts with ours (>=4.44); the two packages that litgpt.model and litgpt.pretrain import
-# beyond ours come with it
-LITGPT_SPECS ?= litgpt==0.5.13 safetensors>=0.4.3 psutil==7.2.2
+# LitGPT for tests/test_fabric_litgpt.py (a Fabric program of others), installed without its dependencies, so that
+# .venv keeps the newest jsonargparse (LitGPT pins <=4.41; `make pip-check` resolves the two together, `make test-min`
+# tests our floor) and none of its hub and tokenizer packages; the two packages that litgpt.model and litgpt.pretrain
+# import beyond ours come with it
+LITGPT_SPEC ?= litgpt==0.5.13
+LITGPT_SPECS ?= $(LITGPT_SPEC) safetensors>=0.4.3 psutil==7.2.2
 
-.PHONY: setup compare demo test test-fast test-min test-gpu test-differential lint docs dist clean FORCE
+.PHONY: setup compare demo test test-fast test-min test-gpu test-differential lint docs dist pip-check clean FORCE
 
 setup: $(STAMP)
 
@@ -48,11 +50,12 @@ test: $(STAMP)
 		echo "pytest collected no tests (exit 5): failing, a run that tests nothing is no pass"; fi; \
 	exit $$status
 
-# The lowest versions pyproject.toml declares, installed in their own venv (.venv-min) and put through the whole test
-# suite: what is declared is what is tested. Keep MIN_SPECS and pyproject.toml's minimums the same (a test checks).
+# The lowest versions pyproject.toml declares (its dependencies and the `cli` extra's jsonargparse), installed in their
+# own venv (.venv-min) and put through the whole test suite: what is declared is what is tested. Keep MIN_SPECS and
+# pyproject.toml's minimums the same (a test checks).
 # torch 2.9.1 comes from PyPI as its CUDA build (about 3 GB with its NVIDIA libraries; it runs on the CPU too).
 MIN_VENV ?= .venv-min
-MIN_SPECS ?= torch==2.9.1 lightning==2.5.0 torchmetrics==1.0.0 jsonargparse[signatures]==4.44.0
+MIN_SPECS ?= torch==2.9.1 lightning==2.5.0 torchmetrics==1.0.0 jsonargparse[signatures]==4.39.0
 MIN_STAMP := $(MIN_VENV)/.lightning_mp-installed
 
 $(MIN_STAMP): pyproject.toml Makefile
@@ -105,6 +108,12 @@ dist: $(STAMP)
 	here=$$($(PY) -m pytest --collect-only -q -p no:cacheprovider tests | tail -n 1 | sed 's/ in .*//'); \
 	echo "the repository: $$here; the unpacked sdist (its own lightning_mp): $$there"; \
 	if [ "$$here" != "$$there" ]; then echo "the sdist does not collect the same tests"; exit 1; fi
+
+# this package with its `cli` extra, LitGPT ($(LITGPT_SPEC)) and Lightning's pytorch-extra resolved together in a
+# fresh venv of their own (removed after), then `pip check`; torch as above (TORCH_SPEC, TORCH_INDEX_URL)
+pip-check:
+	PYTHON="$(PYTHON)" TORCH_SPEC="$(TORCH_SPEC)" TORCH_INDEX_URL="$(TORCH_INDEX_URL)" LITGPT_SPEC="$(LITGPT_SPEC)" \
+		bash .ci/pip-check
 
 clean:
 	rm -rf $(VENV) $(MIN_VENV) lightning_logs .pytest_cache build dist site

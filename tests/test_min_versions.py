@@ -1,4 +1,5 @@
-"""The minimum versions pyproject.toml declares are the ones `make test-min` installs and tests (CI runs it)."""
+"""The minimum versions pyproject.toml declares (dependencies and the `cli` extra) are the ones `make test-min` installs
+and tests (CI runs it)."""
 
 import re
 from pathlib import Path
@@ -13,11 +14,14 @@ pytestmark = pytest.mark.skipif(
 
 
 def _declared() -> dict[str, str]:
+    """The floors of the runtime dependencies and of the `cli` extra (jsonargparse: the CLI's tests need it)."""
     text = (ROOT / "pyproject.toml").read_text()
     deps = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M)
     assert deps, "pyproject.toml has a dependencies list"
+    cli = re.search(r"^cli = \[(.*?)\]$", text, re.M)
+    assert cli, "pyproject.toml has a `cli` extra"
     out = {}
-    for name, floor in re.findall(r'"([a-z_-]+)(?:\[[a-z,]+\])?>=([0-9.]+)', deps.group(1)):
+    for name, floor in re.findall(r'"([a-z_-]+)(?:\[[a-z,]+\])?>=([0-9.]+)', deps.group(1) + cli.group(1)):
         out[name] = floor
     return out
 

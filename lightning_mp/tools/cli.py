@@ -25,10 +25,14 @@ Where the errors come from, and what is done with each:
 
 Errors it does not recognise are passed on unchanged (without jsonargparse's usage dump; the full report
 stays in :attr:`CLIConfigError.details`).
+
+jsonargparse comes with the ``cli`` extra (``pip install "lightning-mp[cli]"``): ``import lightning_mp`` and the
+plugin never need it, so importing this module without it fails with a message naming the extra.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import importlib
@@ -43,7 +47,19 @@ from argparse import ArgumentError
 from typing import Any, Literal, Optional, Union
 
 import yaml
-from jsonargparse import Namespace
+
+# jsonargparse is the `cli` extra; checked before Lightning's CLI module, which imports it too where installed
+try:
+    from jsonargparse import Namespace
+except ImportError as err:
+    if not isinstance(err, ModuleNotFoundError) or (err.name or "").split(".")[0] != "jsonargparse":
+        raise  # jsonargparse is there but broken (one of its own imports fails): its message says which
+    raise ModuleNotFoundError(
+        "MPLightningCLI (lightning_mp.tools.cli) needs jsonargparse, which is not installed; it comes with"
+        " lightning-mp's `cli` extra: pip install \"lightning-mp[cli]\"",
+        name="jsonargparse",
+    ) from err
+
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 
@@ -152,8 +168,12 @@ class MPLightningCLI(LightningCLI):
 # ---------------------------------------------------------------------------------------------- parse time
 _PROBLEM = re.compile(r"^(?P<indent>\s*)(?:- )?Problem with given class_path '(?P<path>[^']+)':\s*$")
 _KEY = re.compile(r'^Parser key "(?P<key>[^"]+)":\s*$')
-_UNKNOWN = re.compile(r"^(?:Option|Key) '(?P<arg>[^']+)' is not (?:accepted|expected)")
+# jsonargparse 4.42+: "Option 'x' is not accepted"; 4.39-4.41: "Validation failed: Key 'x' is not expected"
+_UNKNOWN = re.compile(r"^(?:Validation failed: )?(?:Option|Key) '(?P<arg>[^']+)' is not (?:accepted|expected)")
 _VALUE = re.compile(r"(?:Got value|Given value): (?P<value>.*)$")
+# a command-line value (``--trainer.callbacks.action=explode``) as the report gives it at the end; jsonargparse
+# 4.39-4.41 leave it out of the entry's own branch ("Cannot take a Union of no types.")
+_NESTED = re.compile(r"Given value: NestedArg\(key='(?P<key>[^']+)', val=(?P<val>.*)\)\s*$")
 
 
 def short_parse_error(message: str) -> Optional[str]:
@@ -172,7 +192,7 @@ def short_parse_error(message: str) -> Optional[str]:
     problems = _class_path_problems(lines)
     if problems:
         path, detail = _pick_problem(problems)
-        return _explain_problem(where, path, detail)
+        return _explain_problem(where, path, detail, _command_line_values(lines))
     if top and len(lines) <= 4:
         # a plain argument (model.*, data.*, trainer.max_steps, ...): already short, say it plainly
         body = " ".join(line.strip() for line in lines[1:] if line.strip())
@@ -182,6 +202,16 @@ def short_parse_error(message: str) -> Optional[str]:
         value = given[-1] if given else "?"
         return f"{where}: cannot use {value!r}. Each entry needs a class_path, e.g. {_entry_example(where)}."
     return None
+
+
+def _command_line_values(lines: list[str]) -> dict[str, str]:
+    values = {}
+    for m in filter(None, map(_NESTED.search, lines)):
+        try:
+            values[m.group("key")] = str(ast.literal_eval(m.group("val")))
+        except (ValueError, SyntaxError):
+            values[m.group("key")] = m.group("val")
+    return values
 
 
 def _entry_example(where: str) -> str:
@@ -221,7 +251,7 @@ def _is_union_base(cls: Optional[type]) -> bool:
     return cls in (Precision, Callback, CheckpointIO, ClusterEnvironment, LayerSync)
 
 
-def _explain_problem(where: str, path: str, detail: list[str]) -> str:
+def _explain_problem(where: str, path: str, detail: list[str], given: Optional[dict[str, str]] = None) -> str:
     first = detail[0].strip() if detail else ""
     cls = _import_class(path)
     if _is_union_base(cls):
@@ -233,6 +263,8 @@ def _explain_problem(where: str, path: str, detail: list[str]) -> str:
     if key:
         arg = key.group("key")
         values = [m.group("value") for m in map(_VALUE.search, detail) if m]
+        if not values and given and arg in given:
+            values = [given[arg]]
         value = _fmt(_load_scalar(values[-1])) if values else "?"
         accepted = _describe(_parameter_types(cls).get(arg, inspect.Parameter.empty))
         return f"{where}: {path}({arg}={value}) is invalid: {arg} takes {accepted}."
