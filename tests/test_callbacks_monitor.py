@@ -425,3 +425,32 @@ def test_a_second_fit_with_another_plugin_logs_what_a_fresh_monitor_logs(tmp_pat
     assert figures(tmp_path / "second") == figures(tmp_path / "fresh")
     assert reused.history == fresh.history == [(2, 512.0, 1), (4, 512.0, 1)]
     assert pickle.loads(pickle.dumps(reused)).history == reused.history  # (it remembers the plugin weakly)
+
+
+class LogsItsLoss(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss.detach())
+        return loss
+
+
+@pytest.mark.parametrize(("monitor_every", "trainer_every"), [(2, 2), (4, 2), (1, 2), (2, 1)])
+def test_the_monitor_shares_the_row_of_the_models_metrics_of_the_same_step(tmp_path, monitor_every, trainer_every):
+    """With CSVLogger, one row a logged step: the model's ``self.log`` and the monitor's figures of that step
+    together (a step only the monitor logs gets a row of its own, as Lightning's own logging would)."""
+    monitor = PrecisionMonitor(log_every_n_steps=monitor_every)
+    trainer = make_trainer(MPPlugin("bf16"), max_steps=8, callbacks=[monitor], logger=CSVLogger(tmp_path),
+                           log_every_n_steps=trainer_every)
+    trainer.fit(LogsItsLoss())
+    rows = read_csv(tmp_path)
+    steps = [int(r["step"]) for r in rows]
+    assert len(steps) == len(set(steps)), rows  # never two rows for one step
+    model_steps = {int(r["step"]) for r in rows if r["train_loss"]}
+    monitor_steps = {int(r["step"]) for r in rows if r["precision/skipped_steps"]}
+    assert model_steps == {k - 1 for k in range(1, 9) if k % trainer_every == 0}
+    assert monitor_steps == {k - 1 for k in range(1, 9) if k % monitor_every == 0}
+    for r in rows:
+        if int(r["step"]) in monitor_steps:
+            assert float(r["precision/skip_rate"]) == 0.0 and float(r["precision/grad_norm"]) > 0
+        else:  # nothing stale carried into a step the monitor did not log
+            assert r["precision/grad_norm"] == ""

@@ -11,7 +11,8 @@ When it reads what (automatic optimization; the order matters):
    gradient norm and the per-layer gradient figures are computed.
 3. ``on_train_batch_end``: after the optimizer step and the scaler update. On logging steps the figures
    are read (with ``MPPlugin``: one ``StepStats.as_dict()`` copy), agreed across ranks through torchmetrics,
-   written to every logger at Lightning's own step index, and logged with ``pl_module.log(..., logger=False)``
+   written to every logger at Lightning's own step index (in the same ``log_metrics`` call as the model's metrics
+   of the step where Lightning writes those: one CSV row a step), and logged with ``pl_module.log(..., logger=False)``
    so that they reach ``trainer.callback_metrics`` (``EarlyStopping``, ``ModelCheckpoint``) and, with
    ``prog_bar=True``, the progress bar.
 
@@ -258,10 +259,12 @@ class PrecisionMonitor(Callback):
         self._sharded = False  # FSDP / ModelParallel: each rank holds a shard of the gradients
         self._window_start: Optional[tuple[int, int]] = None  # (steps, skipped) at the previous logging step
         self._plugin: Optional[weakref.ref] = None  # the precision plugin whose counts the figures follow
+        self._shared_row = _SharedRow()  # the figures of a step Lightning logs go into its row
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_plugin"] = None  # (a weak reference does not pickle)
+        state["_shared_row"] = _SharedRow()  # (nor the wrapper of a running fit)
         return state
 
     def _start_run(self) -> None:
@@ -306,6 +309,7 @@ class PrecisionMonitor(Callback):
         n_sum = len(_LayerCounts._fields) * n_layers + 1  # and the sum of the squared gradient-norm shards
         self._agreement = _RankAgreement(n_max, n_sum).to(device)
         self._native.reset_device(device)
+        self._shared_row.install(trainer)
 
     @override
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -329,6 +333,7 @@ class PrecisionMonitor(Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._remove_hooks()
+        self._shared_row.remove()
 
     # ------------------------------------------------------------------ per step
     @override
@@ -403,8 +408,11 @@ class PrecisionMonitor(Callback):
         self.history.append(
             _HistoryEntry(trainer.global_step, figures.get("precision/loss_scale"), int(scalars.skipped_steps))
         )
-        for logger in trainer.loggers:
-            logger.log_metrics(figures, step=step)
+        # a step Lightning writes the model's metrics of: the figures join that write, one row (CSVLogger); a step
+        # only the monitor logs: a row of its own, at the same step index
+        if not self._shared_row.join(trainer, figures):
+            for logger in trainer.loggers:
+                logger.log_metrics(figures, step=step)
         # callback_metrics (and the progress bar): CPU tensors, so a GPU run makes no host-to-device copies here
         scalar_names = {f"precision/{name}" for name in SCALAR_NAMES}
         scalar_metrics = {k: torch.tensor(float(v)) for k, v in figures.items() if k in scalar_names}
@@ -720,6 +728,62 @@ def _draw(history: list[_HistoryEntry], path: str) -> None:
     axes[-1].set_ylabel("skipped steps (total)")
     axes[-1].set_xlabel("optimizer step")
     figure.savefig(path, dpi=100)
+
+
+class _SharedRow:
+    """The monitor's figures in the row Lightning writes for the model's metrics of the same step.
+
+    Lightning's logger connector hands each logger one ``log_metrics`` call per logged step (``CSVLogger``: one
+    row); a second call for the step, the monitor's own, would be a second row. For the fit, the connector's
+    ``log_metrics`` is wrapped (on that one object, removed at teardown) so that its next train-step write (the one
+    ``update_train_step_metrics`` makes right after ``on_train_batch_end``) carries the figures too. Logging them
+    through ``pl_module.log(logger=True)`` instead would write them again, stale, on later logged steps.
+    """
+
+    def __init__(self) -> None:
+        self.pending: Optional[dict[str, float]] = None
+        self._connector: Any = None
+        self._wrapper: Any = None
+        self._previous: Any = None
+
+    def install(self, trainer: Trainer) -> None:
+        self.remove()
+        connector = trainer._logger_connector
+        original = connector.log_metrics
+        self._previous = connector.__dict__.get("log_metrics")  # another monitor's wrapper, or none
+
+        def log_metrics(metrics: Any, step: Optional[int] = None) -> None:
+            pending, self.pending = self.pending, None
+            if pending is not None and step is None:  # the train step's write: Lightning's own step index
+                metrics = {**metrics, **pending}
+            else:
+                self.pending = pending
+            original(metrics, step)
+
+        self._wrapper = log_metrics
+        setattr(connector, "log_metrics", log_metrics)  # this trainer's connector only, until teardown
+        self._connector = connector
+
+    def remove(self) -> None:
+        connector, self._connector, self.pending = self._connector, None, None
+        if connector is None or connector.__dict__.get("log_metrics") is not self._wrapper:
+            return
+        if self._previous is not None:
+            setattr(connector, "log_metrics", self._previous)
+        else:
+            del connector.log_metrics
+
+    def join(self, trainer: Trainer, figures: dict[str, float]) -> bool:
+        """Hand ``figures`` to the connector's write of this step, if it makes one (``Trainer(log_every_n_steps)``,
+        the last step, ``fast_dev_run``; and only where the model logged something to write); ``False`` else."""
+        connector = trainer._logger_connector
+        if self._connector is not connector or not trainer.loggers:
+            return False
+        writes = connector.should_update_logs or getattr(trainer, "fast_dev_run", False)
+        if not writes or not connector.metrics["log"]:
+            return False
+        self.pending = figures
+        return True
 
 
 def _mp_stats(trainer: Trainer) -> Optional[StepStats]:
