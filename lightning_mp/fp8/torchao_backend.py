@@ -82,11 +82,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_mp.fp8.backend import settle_weights
 from lightning_mp.fp8.config import FP8Config
 from lightning_mp.fp8.convert import ConversionReport, ModuleRecord, apply_weights_dtype
 from lightning_mp.fp8.filters import ModuleFilter, ModuleFilterFn
-from lightning_mp.fp8.runtime import named_modules_unwrapped
 from lightning_mp.fp8.support import FP8_MIN_CAPABILITY, FP8UnavailableError
 
 log = logging.getLogger("lightning_mp.fp8")
@@ -101,6 +99,8 @@ RECIPE_FORMATS: dict[str, tuple[str, str, str]] = {
     "rowwise": ("e4m3fn", "e4m3fn", "e4m3fn"),
 }
 _WEIGHTS = ("fp32", "bf16", "fp8")
+#: module-name parts that wrappers insert (FSDP's units, activation checkpointing, torch.compile): not in the names
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
 # --------------------------------------------------------------------------------------------- torchao
@@ -267,8 +267,13 @@ def is_float8_linear(module: nn.Module) -> bool:
 
 
 def float8_linears(model: nn.Module) -> dict[str, nn.Module]:
-    """``{fqn: Float8Linear}`` of ``model``, by the unwrapped model's names (FSDP, checkpointing, compile parts out)."""
-    return {fqn: m for fqn, m in named_modules_unwrapped(model).items() if is_float8_linear(m)}
+    """``{fqn: Float8Linear}`` of ``model``, by the unwrapped model's names (FSDP's, activation checkpointing's and
+    ``torch.compile``'s name parts left out, as :func:`lightning_mp.fp8.runtime.named_modules_unwrapped` does)."""
+    out: dict[str, nn.Module] = {}
+    for fqn, module in model.named_modules():  # parents first: a wrapped module replaces its wrapper
+        if is_float8_linear(module):
+            out[".".join(p for p in fqn.split(".") if p not in _WRAPPER_PARTS)] = module
+    return out
 
 
 @dataclass
@@ -601,8 +606,9 @@ class TorchAOFloat8:
             )
         if self.config.weights == "fp8" and self.config.recipe != "tensorwise":
             raise ValueError(_FP8_WEIGHTS_ROWWISE)
-        #: the dtype the model's weights are kept in ("auto" settled: bf16; the plugins settle it per strategy)
-        self.weights = settle_weights(self.config, sharded=False)
+        #: the dtype the model's weights are kept in ("auto" settled: bf16, as ``backend.settle_weights`` does for one
+        #: device; the plugins settle it per strategy)
+        self.weights = "bf16" if self.config.weights == "auto" else str(self.config.weights)
         self.compile_layers = compile_layers
         #: the torch.compile backend of the layers' forwards (tests use "eager" or "aot_eager")
         self.compile_backend = "inductor"
