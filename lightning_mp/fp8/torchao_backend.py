@@ -619,6 +619,7 @@ class TorchAOFloat8:
         self._model: Optional[nn.Module] = None
         self._layers: dict[str, nn.Module] = {}
         self._optimizers: list[Any] = []
+        self._released = False
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -720,11 +721,16 @@ class TorchAOFloat8:
         self._route.compile, self._route.backend = compiled, self.compile_backend
         self._route.fp8 = True
         self._layers = float8_linears(model)
-        for module in self._layers.values():
-            module.forward = functools.partial(_float8_forward, self._route, module)
         self._model = model
+        self._route_layers()
         if watching:
             self.sentinel.attach(self._layers)
+
+    def _route_layers(self) -> None:
+        """Each layer's forward through the route (again after :meth:`release`: the next fit of the same model)."""
+        for module in self._layers.values():
+            module.forward = functools.partial(_float8_forward, self._route, module)
+        self._released = False
 
     def is_converted(self, module: nn.Module) -> bool:
         """Whether ``module`` holds torchao ``Float8Linear`` layers (swapped earlier, or built so)."""
@@ -737,6 +743,8 @@ class TorchAOFloat8:
         Raises ``ValueError`` for ``weights="fp8"`` without FSDP2.
         """
         self._optimizers = list(optimizers)
+        if self._released:
+            self._route_layers()
         if self.weights == "fp8" and self._layers:
             sharded = any(type(m.weight).__name__ == "DTensor" for m in self._layers.values())
             if not sharded:
@@ -773,6 +781,8 @@ class TorchAOFloat8:
             with torch.autocast("cuda", torch.bfloat16), fp8.autocast(training=False):
                 val_loss = model(x)        # bf16 unless fp8_in_eval=True
         """
+        if self._released:  # a later fit, validate or predict of the model released at the last teardown
+            self._route_layers()
         on = training or self.config.fp8_in_eval or self.weights == "fp8"
         return _Region(self._route, on)
 
@@ -856,8 +866,10 @@ class TorchAOFloat8:
     # ------------------------------------------------------------------ teardown
     def release(self) -> None:
         """Undo what the run installed on the model: the saturation watch's hooks and the layers' forward route
-        (the layers stay ``Float8Linear``, running torchao's own forward)."""
+        (the layers stay ``Float8Linear``, running torchao's own forward). The route comes back at the next
+        :meth:`connect_optimizers` or :meth:`autocast` (the same model in a later ``fit``/``validate``)."""
         self.sentinel.detach()
         for module in self._layers.values():
             module.__dict__.pop("forward", None)
         self._route.fp8 = True
+        self._released = bool(self._layers)
