@@ -455,3 +455,9 @@ def test_fsdp1_needs_nothing_but_refuses_fp8_weights():
     TorchAOFloat8(AO).prepare_fsdp(nn.Linear(16, 16))
     with pytest.raises(ValueError, match=r"FSDP \(1\) does not run"):
         TorchAOFloat8({**AO, "weights": "fp8"}).prepare_fsdp(nn.Linear(16, 16))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without CUDA")
+def test_check_on_cuda_without_cuda_says_so():
+    with pytest.raises(FP8UnavailableError, match=r"CUDA is not available"):
+        TorchAOFloat8(AO).check("cuda")

@@ -257,6 +257,8 @@ def torchao_support_facts(device: Union[str, torch.device], recipe: str = "tenso
         facts["device_name"] = torch.cuda.get_device_name(index)
         if facts["capability"] >= FP8_MIN_CAPABILITY and facts["torchao_version"] is not None:
             facts["probe_error"] = scaled_mm_probe(torch.device("cuda", index), recipe)
+    elif device.type == "cuda":
+        facts["probe_error"] = f"CUDA is not available to this torch ({torch.__version__})"
     return facts
 
 
