@@ -64,9 +64,19 @@ def test_master_weights_none_trains_bf16_weights_alone_and_fp32_weights_stay_an_
     assert all(m.weight.dtype == torch.float32 for m in te_linears(module).values())
 
 
+class _PoisonedGPT(LitGPT):
+    """The loss times inf at one batch: its gradients are inf/NaN (saturated into finite values where they pass an
+    FP8 cast, which the plugin's saturation check sees)."""
+
+    poison_at = -1
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if batch_idx == self.poison_at else loss
+
+
 class _Poison(Callback):
-    """An inf in the loss at one batch (its gradients are inf everywhere): parameters, masters and optimizer state
-    after that batch must equal those before it."""
+    """Parameters, masters and optimizer state after the poisoned batch equal those before it."""
 
     def __init__(self, at: int) -> None:
         self.at = at
@@ -82,10 +92,6 @@ class _Poison(Callback):
                  if masters is not None and masters.master_of(p) is not None},
                 copy.deepcopy(trainer.optimizers[0].state_dict()["state"]),
             )
-
-    def on_before_backward(self, trainer, pl_module, loss):
-        if self.snapshot is not None and not self.checked:
-            loss.data.fill_(float("inf"))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx != self.at:
@@ -108,7 +114,10 @@ def test_a_poisoned_step_changes_nothing_with_the_default():
     batches = bigram_batches(8, 8, SIZE["seq"], SIZE["vocab"])
     plugin = make_fp8_plugin({"size_rule": "off"})
     poison = _Poison(at=4)
-    _fit(plugin, 8, batches, callbacks=[poison])
+    seed_everything(0)
+    module = _PoisonedGPT(batches, lr=3e-3, warmup=1, **SIZE)
+    module.poison_at = 4
+    _fit(plugin, 8, batches, callbacks=[poison], module=module)
     assert plugin.stats.skipped_steps == 1 and poison.checked and len(poison.snapshot[1]) > 0
 
 
