@@ -13,7 +13,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mp.distributed import sharded_before_setup
-from lightning_mp.fp8.backend import FP8Backend, make_backend, settle_weights
+from lightning_mp.fp8.backend import FP8Backend, make_backend
+from lightning_mp.fp8.config import settle_weights
 from lightning_mp.modes import (
     AUTO,
     MODES,

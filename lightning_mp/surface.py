@@ -11,7 +11,7 @@ from typing import Optional, Union
 import torch
 
 from lightning_mp.fp8 import FP8Config
-from lightning_mp.fp8.backend import settle_weights
+from lightning_mp.fp8.config import settle_weights
 from lightning_mp.guards import FP32GuardSpec
 from lightning_mp.master import MasterWeights
 from lightning_mp.modes import PrecisionMode

@@ -26,7 +26,8 @@ A backend's life in a run (the order the plugins call it in):
 2. ``convert(module, device, announce=...)`` at ``convert_module`` (before the optimizers exist): swaps the layers the
    filter selects, in place; ``adopt(module, device)`` takes a module converted earlier (``prepare_fp8`` in
    ``configure_model``, before FSDP2 shards it). ``weights`` (set before ``convert``) is the dtype the model's weights
-   are kept in: ``"bf16"`` (the default: fp32 master weights in the step), ``"fp32"`` or ``"fp8"``.
+   are kept in: ``"bf16"`` (the default: fp32 master weights in the step), ``"fp32"`` or ``"fp8"``
+   (:func:`lightning_mp.fp8.config.settle_weights`).
 3. ``connect_optimizers(optimizers)``, ``configure_weight_cache(...)`` and ``watch_saturation(on)`` at ``connect``.
 4. Every step: ``autocast(training)`` around the forward (inside bf16 autocast), ``sentinel.take()`` (a device flag:
    an inf/NaN an FP8 cast saturated, joins the step's verdict; ``None`` where the backend cannot see one), and
@@ -112,15 +113,6 @@ class FP8Backend(Protocol):
         """FSDP (1) wrapped the model (Lightning's FSDP strategy): what the library needs done to its layers."""
 
     def release(self) -> None: ...
-
-
-def settle_weights(config: FP8Config, *, sharded: bool) -> str:
-    """``weights="auto"``: bf16 weights with fp32 master weights in the step (activations in bf16, as under
-    Lightning's Transformer Engine plugin), or under FSDP/FSDP2 fp32 shards gathered in bf16 (the shards are the
-    masters). Any other value stands."""
-    if config.weights != "auto":
-        return config.weights
-    return "fp32" if sharded else "bf16"
 
 
 def make_backend(config: Union[FP8Config, dict[str, Any], None] = None) -> FP8Backend:

@@ -41,7 +41,7 @@ RECIPE_CLASSES: dict[str, str] = {
 #: the format each recipe uses when ``fp8_format`` is left unset (Transformer Engine's own defaults)
 DEFAULT_FORMATS: dict[str, str] = {
     "delayed": "HYBRID", "current": "HYBRID", "block": "E4M3", "mxfp8": "E4M3",
-    "tensorwise": "E4M3", "rowwise": "E4M3",  # (torchao's: E4M3 for inputs, weights and gradients)
+    "tensorwise": "HYBRID", "rowwise": "E4M3",  # (torchao's: tensorwise casts output gradients to E5M2)
 }  # fmt: skip
 FORMATS = ("HYBRID", "E4M3")
 #: recipe-specific fields and the recipes they apply to
@@ -266,6 +266,15 @@ class FP8Config:
             settings["amax_history_len"] = 1024 if self.amax_history_len is None else self.amax_history_len
             settings["amax_compute_algo"] = self.amax_compute_algo or "max"
         return settings
+
+
+def settle_weights(config: FP8Config, *, sharded: bool) -> str:
+    """``weights="auto"``: bf16 weights with fp32 master weights in the step (activations in bf16, as under
+    Lightning's Transformer Engine plugin), or under FSDP/FSDP2 fp32 shards gathered for compute (the shards are the
+    masters). Any other value stands."""
+    if config.weights != "auto":
+        return config.weights
+    return "fp32" if sharded else "bf16"
 
 
 def _choice(name: str, value: Any, accepted: tuple[str, ...], *, lower: bool = False, upper: bool = False) -> str:

@@ -46,8 +46,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_mp.fp8.backend import settle_weights
-from lightning_mp.fp8.config import FP8Config
+from lightning_mp.fp8.config import FP8Config, settle_weights
 from lightning_mp.fp8.convert import ConversionReport, apply_weights_dtype, convert_to_te
 from lightning_mp.fp8.filters import ModuleFilterFn
 from lightning_mp.fp8.primary import (
