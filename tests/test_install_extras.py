@@ -78,9 +78,13 @@ def test_readme_install_section_names_each_extra_quoted():
 
 @pytest.mark.parametrize("module", ["lightning_mp.tools.cli", "lightning_mp.cli"])
 def test_cli_without_jsonargparse_names_the_extra(monkeypatch, module):
+    import lightning_mp.tools
+
     monkeypatch.setitem(sys.modules, "jsonargparse", None)
     for name in ("lightning_mp.tools.cli", "lightning_mp.cli"):
         monkeypatch.delitem(sys.modules, name, raising=False)
+    # `from lightning_mp.tools import cli` (the old spelling's module) takes the attribute an earlier import left
+    monkeypatch.delattr(lightning_mp.tools, "cli", raising=False)
     with pytest.raises(ModuleNotFoundError) as err:
         importlib.import_module(module)
     assert err.value.name == "jsonargparse"
