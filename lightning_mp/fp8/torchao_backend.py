@@ -803,6 +803,18 @@ class TorchAOFloat8:
         self.sentinel.detach()
         if not on or not self.config.check_saturation or not self._layers:
             return None
+        if self._model is not None and model_is_compiled(self._model) and torch.cuda.is_available():
+            # Inductor (torch 2.11, CUDA) fails to compile a whole model whose FP8 layers carry the watch's forward
+            # hooks (measured on an H200: "Argument ... was used before it has been defined"); per-layer compiling
+            # and eager models take them. The gradients' inf/NaN check still runs.
+            warnings.warn(
+                "MPPlugin('fp8', fp8={'backend': 'torchao'}): the model is compiled, and torch.compile cannot compile"
+                " the saturation watch's hooks inside it, so steps whose FP8 casts clamp an inf are not detected"
+                " (inf/NaN gradients still skip the step). Pass fp8={'check_saturation': False} to say so, or leave"
+                " the model uncompiled (the plugin then compiles each FP8 layer itself, with the watch).",
+                stacklevel=2,
+            )
+            return None
         return self.sentinel.attach(self._layers)
 
     def layer_stats(self) -> dict[str, dict[str, float]]:
