@@ -222,6 +222,7 @@ def test_bad_value_in_yaml_fails_before_training(tmp_path):
     assert "Does not validate" in info.value.details  # the full report is kept
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("init_args", "fragments"),
     [
@@ -280,6 +281,7 @@ def test_short_error_for_a_mode_this_machine_cannot_run(tmp_path):
     assert_short(info.value, "MPPlugin(precision='fp8') cannot run on cpu", "precision='bf16'")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flag", "hint"), [("bf16-mixed", "They disagree"), ("16-mixed", "init_args: {precision: fp16}")]
 )

@@ -246,6 +246,7 @@ def test_the_table_never_cuts_a_note(capsys):
     assert "| bf16 | — | — | failed (note 1) |" in out and "| fp8 | — | — | unsupported (note 2) |" in out
 
 
+@pytest.mark.slow
 def test_cpu_memory_is_per_mode_and_does_not_depend_on_run_order(capsys, tmp_path):
     figures = []
     for order in (["fp32", "bf16", "bf16-true"], ["bf16-true", "bf16", "fp32"]):

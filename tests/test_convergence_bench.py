@@ -39,6 +39,7 @@ def _run(out: Path, mode: str, seed: int) -> dict:
         return json.load(f)
 
 
+@pytest.mark.slow
 def test_each_run_is_written_with_its_curves(first):
     out, _, summary = first
     assert sorted(summary["trained"]) == sorted(f"{m}/seed{s}" for m in MODES + ["tf32"] for s in (0, 1))

@@ -70,6 +70,7 @@ def test_configs_exist_for_every_mode():
             assert "lightning_mp.PrecisionMonitor" in [c["class_path"] for c in config["trainer"]["callbacks"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_mini", "vlm_mini"])
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_example_cli_trains_a_few_steps(name, mode, tmp_path):
@@ -85,12 +86,14 @@ def test_example_cli_trains_a_few_steps(name, mode, tmp_path):
     assert saved["trainer"]["plugins"][0]["init_args"]["precision"] == mode
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_mini", "vlm_mini"])
 def test_example_fp32_config(name, tmp_path):
     cli = run_example(name, "fp32", tmp_path, "--trainer.max_steps=2", "--trainer.limit_val_batches=0")
     assert cli.trainer.global_step == 2 and cli.trainer.precision == "32-true"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_mini", "vlm_mini"])
 @pytest.mark.parametrize("mode", MODES)
 def test_every_config_parses(name, mode, capsys):
@@ -109,6 +112,7 @@ def test_bf16_true_config(name, tmp_path):
     assert cli.trainer.precision_plugin.master_weights == "fp32"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_mini", "vlm_mini"])
 def test_fp8_config_stops_before_training_on_cpu(name, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:

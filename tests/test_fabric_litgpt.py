@@ -95,6 +95,7 @@ def distance(weights: dict[str, torch.Tensor], reference: dict[str, torch.Tensor
     return float(sum((weights[n].float() - reference[n]).square().sum() for n in reference) ** 0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16-true"])
 def test_litgpt_pretrains_as_with_fabrics_own_precision(mode, config):
@@ -107,6 +108,7 @@ def test_litgpt_pretrains_as_with_fabrics_own_precision(mode, config):
     assert (plugin.stats.steps, plugin.stats.skipped_steps) == (4, 0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_litgpt_bf16_true_with_master_weights_follows_fp32(config):
     """bf16-true with the defaults (fp32 master weights, FP32 guards): the masters stay far closer to the fp32 run

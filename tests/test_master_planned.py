@@ -123,6 +123,7 @@ def _assert_same_runs(a, b, case):
     assert all(d is ma.state_dicts[0] for d in ma.state_dicts[: reload_at - 1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("flat", [True, False], ids=["flat-grads", "grads-a-step"])
 def test_fp32_common_case_is_bit_identical_to_the_steps_record_by_record(monkeypatch, case, flat):
@@ -137,6 +138,7 @@ def test_fp32_common_case_is_bit_identical_to_the_steps_record_by_record(monkeyp
     _assert_same_runs(a, b, case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[7]], ids=[IDS[0], IDS[4], IDS[7]])
 @pytest.mark.parametrize("kind", ["kahan", "stochastic"])
 def test_other_kinds_take_the_same_gather(monkeypatch, case, kind):

@@ -91,6 +91,7 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("strategy", "mode"), [("ddp", "bf16"), ("ddp", "fp16"), ("ddp", "bf16-true"), ("fsdp", "fp16"), ("fsdp2", "bf16")]
 )

@@ -57,6 +57,7 @@ def report(program: Program, problems: list[str], oracle: str) -> str:
     return f"{program.describe()} differs from {oracle}:\n  {shown}"
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(program=programs())
 def test_a_program_trains_as_under_lightning(program: Program):
@@ -64,6 +65,7 @@ def test_a_program_trains_as_under_lightning(program: Program):
     assert not problems, report(program, problems, "the same program under Lightning's plugin")
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(program=programs(poisoned=True))
 def test_a_skipped_step_changes_nothing(program: Program):
@@ -71,6 +73,7 @@ def test_a_skipped_step_changes_nothing(program: Program):
     assert not problems, report(program, problems, "the same program without its poisoned step")
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(program=programs(same_value_writes=True))
 def test_a_write_that_changes_no_value_changes_nothing(program: Program):
@@ -78,6 +81,7 @@ def test_a_write_that_changes_no_value_changes_nothing(program: Program):
     assert not problems, report(program, problems, "the same program without its writes")
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(program=programs())
 def test_validate_and_resume_change_nothing(program: Program):

@@ -216,6 +216,7 @@ def _one_thread_and_total(request):
             print(f"\nfault matrix total: {_totals['cells']} cells, {_totals['passed']} passed")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode_id", list(MODES))
 def test_fault_matrix(mode_id, capsys):
     _run_matrix(mode_id, HOST_SKIP_CELLS[mode_id], capsys, mode_id=mode_id)

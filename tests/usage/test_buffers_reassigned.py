@@ -143,6 +143,7 @@ def test_a_skipped_step_puts_back_reassigned_buffers(mode, manual):
     assert int(model.track.calls) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_skipped_accumulation_window_puts_back_reassigned_buffers(mode):
     poison = Poison([POISONED * 2 + 1], window=2)  # the second micro-batch of the window
@@ -154,6 +155,7 @@ def test_a_skipped_accumulation_window_puts_back_reassigned_buffers(mode):
     assert int(model.track.calls) == 6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_skipped_step_changes_nothing_against_a_run_without_it(mode):
     """The run with the poisoned batch ends with the buffers of the run that never saw it: re-assigned buffers, the

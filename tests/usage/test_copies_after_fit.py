@@ -140,6 +140,7 @@ def cf_assert_plain(module: nn.Module, where: str, user: tuple[str, ...] = ()) -
             assert not any(isinstance(v, FP32Guard) for v in vars(sub).values()), f"{where}: a guard on {name!r}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", OPT_MODES)
 def test_copies_mid_fit_are_plain_after_fit(mode):
     model, copies = CfModel(), CfCopies()
@@ -151,6 +152,7 @@ def test_copies_mid_fit_are_plain_after_fit(mode):
         assert cf_guarded(duplicate) == [], how  # (what is left of the run's guards is inert, gone at the next run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", OPT_MODES)
 def test_a_copy_mid_fit_trains_and_is_left_plain(mode):
     model, copies = CfModel(), CfCopies()
@@ -165,6 +167,7 @@ def test_a_copy_mid_fit_trains_and_is_left_plain(mode):
         cf_assert_plain(duplicate, how)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", OPT_MODES)
 def test_user_guards_stay_on_the_module_and_its_copies(mode):
     """The user guards the LayerNorm and the last Linear; the run guards the rest (BatchNorm, softmax, loss)."""
@@ -181,6 +184,7 @@ def test_user_guards_stay_on_the_module_and_its_copies(mode):
         cf_assert_plain(duplicate, f"{how}, fitted", user)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", OPT_MODES)
 def test_the_runs_optimizer_loads_state_as_torch_after_fit(mode):
     model = CfModel()

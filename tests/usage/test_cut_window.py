@@ -37,6 +37,7 @@ class Net(LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fp32", "bf16", "bf16-true", "fp16-true"])
 @pytest.mark.parametrize("master_weights", [None, "kahan"])
 def test_a_cut_window_leaves_nothing_behind(mode, master_weights):

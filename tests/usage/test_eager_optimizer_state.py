@@ -31,6 +31,7 @@ class AdagradNet(LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16-true", "fp16-true"])
 @pytest.mark.parametrize("master_weights", ["fp32", "kahan", "stochastic"])
 def test_adagrad_with_masters_keeps_fp32_state_and_trains(mode, master_weights):

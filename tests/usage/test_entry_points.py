@@ -238,6 +238,7 @@ def ep_check_eval_outputs(mode: str, trainer: Trainer, model: EpGuardedNet, load
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inference_mode", [True, False], ids=["inference_mode", "no_inference_mode"])
 @pytest.mark.parametrize("mode", ep_mode_params())
 def test_evaluation_loops_before_and_after_fit(mode: str, inference_mode: bool) -> None:
@@ -259,6 +260,7 @@ def test_evaluation_loops_before_and_after_fit(mode: str, inference_mode: bool) 
     ep_check_eval_outputs(mode, trainer, model, loader, "after fit")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", EP_KINDS)
 @pytest.mark.parametrize("mode", ("fp32", *EP_LOW_MODES))
 def test_evaluation_loops_per_guarded_kind(mode: str, kind: str) -> None:
@@ -298,6 +300,7 @@ class EpDistill(LightningModule):
         return torch.optim.Adam(self.student.parameters(), lr=2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ep_mode_params())
 def test_teacher_under_inference_mode_in_training_step(mode: str) -> None:
     model = EpDistill()
@@ -357,6 +360,7 @@ def ep_assert_embedding_trained(mode: str, model: EpEmbeddingNet, plugin: MPPlug
     assert model.losses[0] > 3.0 and max(model.losses[-2:]) < 0.6 * model.losses[0], model.losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ep_mode_params())
 def test_guarded_embedding_trains(mode: str) -> None:
     """fp32_modules=["defaults", "Embedding"]: the Embedding runs in fp32 and the model trains in every mode; after a
@@ -449,6 +453,7 @@ def ep_assert_clean_after_skip(
     assert math.isfinite(result[0]["val_loss"]), f"{mode}: validation loss {result[0]['val_loss']}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ep_mode_params())
 def test_skipped_step_leaves_batchnorm_untouched(mode: str) -> None:
     poison = 2
@@ -502,6 +507,7 @@ def ep_explain(block: nn.Module, plugin: MPPlugin, x: torch.Tensor):
         return torch._dynamo.explain(block)(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ep_mode_params())
 def test_default_guards_add_no_graph_breaks(mode: str) -> None:
     plugin = MPPlugin(mode)

@@ -52,6 +52,7 @@ class Critic(LightningModule):
                                            batch_size=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["penalty", "per-sample"])
 def test_trains_through_the_guards(mode, kind):

@@ -153,6 +153,7 @@ def test_clip_by_norm_before_step_in_true_half_modes(mode, optimizer, hooked):
     assert all(not torch.equal(before[n].float(), p.float()) for n, p in opt_params(model).items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("clip", list(CLIPS))
 @pytest.mark.parametrize("optimizer", MATRIX)
@@ -169,6 +170,7 @@ def test_manual_clip_trains_as_lightnings_own_plugin(mode, optimizer, clip, accu
     assert model.norms and all(n == n for n in model.norms)  # the hook read the gradients before every step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("clip", list(CLIPS))
 @pytest.mark.parametrize("optimizer", MATRIX)
@@ -215,6 +217,7 @@ class AroundWindow(Callback):
             self.after = _snapshot(pl_module, self.plugin)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("clip", list(CLIPS))
 @pytest.mark.parametrize("optimizer", MATRIX)
@@ -251,11 +254,13 @@ class Automatic(ManualClip):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("mode", OPT_MODES)
 def test_every_optimizer_skips_a_nan_batch_with_a_clip(mode, optimizer):
     test_manual_clip_step_on_a_nan_batch_changes_nothing(mode, optimizer, "norm", 1)
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, kind",
     [(m, None) for m in OPT_MODES if m not in TRUE_HALF]

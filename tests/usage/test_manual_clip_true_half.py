@@ -44,6 +44,7 @@ class Manual(LightningModule):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 8)), batch_size=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["fp16-true", "bf16-true", "fp16"])
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("algorithm", ["norm", "value"])

@@ -343,6 +343,7 @@ def _late_cases() -> list:
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision, kind", _late_cases())
 def test_layer_unfrozen_after_setup_gets_precise_updates(precision, kind):
     lr = _probe_lr(precision)

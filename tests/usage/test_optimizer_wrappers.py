@@ -303,6 +303,7 @@ def test_wrapper_trains_as_with_lightnings_own_plugin(wrapper, mode):
                             base_of(reference.trainer.optimizers[0]).state_dict(), "the base optimizer's state")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["fp32", "kahan", "stochastic"])
 @pytest.mark.parametrize("mode", TRUE_HALF)
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))
@@ -337,6 +338,7 @@ HOW = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", list(HOW))
 @pytest.mark.parametrize("mode", OPT_MODES)
 @pytest.mark.parametrize("wrapper", list(WRAPPERS))

@@ -268,6 +268,7 @@ class PmEpochPoisonModel(PmModel):
         return self(x).float().pow(2).mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", OPT_MODES)
 def test_stochastic_weight_averaging_with_copies_mid_fit(mode):
     """Lightning's SWA (its copy of the module, its SWALR swapped in at its start) with a step-interval scheduler,

@@ -171,6 +171,7 @@ def sw_fit(variant: str, mode: str, kind: str) -> tuple[SwNet, Any, SwPoisonWatc
     return model, plugin, watch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", SW_KINDS)
 @pytest.mark.parametrize("mode", ("bf16-true", "fp16-true"))
 @pytest.mark.parametrize("variant", SW_VARIANTS)
@@ -201,6 +202,7 @@ def test_shared_weights_train_in_the_half_dtype(variant: str, mode: str, kind: s
         assert model.norm_b is model.norm
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ("bf16-true", "fp16-true"))
 @pytest.mark.parametrize("variant", SW_VARIANTS)
 def test_shared_weights_leave_the_module_as_lightning_does(variant: str, mode: str) -> None:

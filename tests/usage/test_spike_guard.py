@@ -86,6 +86,7 @@ class Snapshot(Callback):
             self.after = self._take(trainer, pl_module)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_loss_spike_is_skipped_with_everything_bit_identical(mode):
     snap, p = Snapshot(at=40), plugin(mode)
@@ -99,6 +100,7 @@ def test_a_loss_spike_is_skipped_with_everything_bit_identical(mode):
         assert p.stats.loss_scale == 2.0**8  # a spike is no overflow: the scale did not back off
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_smooth_run_of_300_steps_skips_nothing(mode):
     p = plugin(mode)
@@ -112,6 +114,7 @@ def test_spikes_in_the_warm_up_are_not_judged():
     assert p.stats.spike_skips == 0
 
 
+@pytest.mark.slow
 def test_a_spike_in_one_micro_batch_of_an_accumulation_window_skips_the_step():
     class Micro(Net):
         def training_step(self, batch, batch_idx):
@@ -242,6 +245,7 @@ def test_ddp_style_agreement_is_a_max_over_ranks(monkeypatch):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_an_inf_step_is_an_inf_skip_not_a_spike(mode):
     p = plugin(mode)
@@ -299,6 +303,7 @@ def skipped_per_optimizer(p):
     return [s.skipped_steps for s in p.stats.per_optimizer]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "bf16-true"])
 def test_each_optimizer_is_judged_against_its_own_history(mode):
     """A generator spike 30× its usual loss is far inside the discriminator's loss range (×100): judged against one
@@ -313,12 +318,14 @@ def test_each_optimizer_is_judged_against_its_own_history(mode):
     assert [s.steps for s in p.stats.per_optimizer] == [128, 128]
 
 
+@pytest.mark.slow
 def test_optimizers_stepped_from_one_backward_are_both_judged_on_its_loss():
     p = plugin("bf16")
     opt_trainer(p, max_steps=-1, max_epochs=1).fit(GAN(spike_at=100, factor=1e3, one_backward=True))
     assert p.stats.spike_skips == 2 and skipped_per_optimizer(p) == [1, 1]
 
 
+@pytest.mark.slow
 def test_resume_carries_every_optimizers_window(tmp_path):
     """Saved after 80 batches, resumed: a generator spike 3 batches later is judged against the restored windows
     (a new window would still be warming up, 8 clean steps, and let it through)."""
@@ -364,6 +371,7 @@ class Boring(BoringModel):
         return DataLoader(RandomDataset(32, 4 * 300), batch_size=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "fp16", "fp32", "bf16-true"])
 @pytest.mark.parametrize("window", [8, 32])
 def test_a_converged_model_is_not_locked_out(mode, window):
@@ -375,6 +383,7 @@ def test_a_converged_model_is_not_locked_out(mode, window):
     assert p.stats.spike_skips == 0 and p.stats.skipped_steps == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])  # (fp32 converges to weight 0, bias 1: no input moves the loss)
 def test_a_spike_after_convergence_is_still_skipped(mode):
     p = plugin(mode)
@@ -404,6 +413,7 @@ def test_the_checkpoint_keeps_the_runs_peak_and_reads_one_without_it(tmp_path):
     assert again.stats.spike_skips == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("field", "value", "match"),
     [
@@ -429,6 +439,7 @@ def test_a_window_without_sigma_is_not_silently_ignored():
         MPPlugin("bf16", spike_window=64)
 
 
+@pytest.mark.slow
 def test_numpy_numbers_are_accepted():
     import numpy as np
 
@@ -437,6 +448,7 @@ def test_numpy_numbers_are_accepted():
     assert p.stats.spike_skips == 1
 
 
+@pytest.mark.slow
 def test_one_optimizers_spikes_in_a_row_stop_training_and_name_it():
     """The generator's steps are all spikes from batch 100 while the discriminator's are clean: the generator's own
     streak reaches the limit, and the message says spikes were the cause (a streak shared by both optimizers was
