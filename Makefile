@@ -22,7 +22,7 @@ TORCH_REQUEST := $(TORCH_SPEC)$(if $(TORCH_INDEX_URL), --index-url $(TORCH_INDEX
 LITGPT_SPEC ?= litgpt==0.5.13
 LITGPT_SPECS ?= $(LITGPT_SPEC) safetensors>=0.4.3 psutil==7.2.2
 
-.PHONY: setup compare demo test test-fast test-min test-gpu test-differential lint docs dist pip-check clean FORCE
+.PHONY: setup compare demo test test-fast test-min test-gpu test-differential lint docs docs-browser dist pip-check clean FORCE
 
 setup: $(STAMP)
 
@@ -108,6 +108,11 @@ dist: $(STAMP)
 	here=$$($(PY) -m pytest --collect-only -q -p no:cacheprovider tests | tail -n 1 | sed 's/ in .*//'); \
 	echo "the repository: $$here; the unpacked sdist (its own lightning_mp): $$there"; \
 	if [ "$$here" != "$$there" ]; then echo "the sdist does not collect the same tests"; exit 1; fi
+
+# the built site rendered headless in Chromium (installed from the system's package manager if missing; Playwright
+# from pip): fails on code blocks or tables wider than the content column and on images that do not load
+docs-browser: $(STAMP)
+	PY=$(PY) bash .ci/docs-browser
 
 # this package with its `cli` extra, LitGPT ($(LITGPT_SPEC)) and Lightning's pytorch-extra resolved together in a
 # fresh venv of their own (removed after), then `pip check`; torch as above (TORCH_SPEC, TORCH_INDEX_URL)
