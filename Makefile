@@ -70,8 +70,8 @@ test-min: $(MIN_STAMP)
 	'torchmetrics', torchmetrics.__version__, 'jsonargparse', j.__version__)"
 	$(MIN_VENV)/bin/python -m pytest -q -p no:cacheprovider tests
 
-# the suite without the tests marked slow (subprocesses, spawned ranks, torch.compile, the docs build): for a quick
-# check while working; CI runs everything (`make test`, about 2 minutes on 2 cores)
+# the suite without the tests marked slow (the heaviest: subprocesses, spawned ranks, torch.compile, the docs build,
+# long training runs; about a fifth of the suite's test time is left): a quick check while working; CI runs everything
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 

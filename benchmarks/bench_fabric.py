@@ -7,7 +7,7 @@ foreach AdamW), one Fabric per mode, one process; the modes' rounds interleaved 
 and ours at the same mode (``bf16``, ``fp16``, ``bf16-true`` with fp32 master weights, and
 ``bf16-true`` with ``master_weights="none"``, Fabric's own layout); the ratios Fabric / ours (above 1: ours faster).
 
-Needs litgpt (``pip install --no-deps litgpt`` and ``safetensors``: it pins an old jsonargparse). Run::
+Needs litgpt (``pip install litgpt``; on the GPU machine its wheel with ``--no-deps`` and ``safetensors``). Run::
 
     PYTHONPATH=. python benchmarks/bench_fabric.py                       # GPU
     PYTHONPATH=. python benchmarks/bench_fabric.py --device cpu --layers 2 --embd 64 --seq 64 --steps 3 --rounds 1

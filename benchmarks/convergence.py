@@ -15,7 +15,9 @@ with every run, and a run directory refuses runs of another corpus or configurat
 
 Modes (``--modes``, default all): ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``bf16-true`` (fp32 master weights),
 ``bf16-true:kahan``, ``bf16-true:stochastic``, ``bf16-true:none`` (the ``master_weights`` option), ``fp16-true``,
-``fp8`` and ``fp8:bf16-weights`` (``fp8={"weights": "bf16"}``). Both fp8 modes pass ``fp8={"size_rule": "off"}``:
+``fp8`` (bf16 weights with fp32 masters, delayed scaling: the defaults), ``fp8:bf16-weights`` (bf16 weights without
+masters), ``fp8:fp32-weights``, ``fp8:current`` (current scaling), ``fp8:torchao-tensorwise`` and
+``fp8:torchao-rowwise`` (the torchao backend). Every fp8 mode passes ``fp8={"size_rule": "off"}``:
 at width 512 the default size rule would keep every layer out of FP8, and the benchmark is meant to measure FP8
 (the output layer stays in bf16, ``keep_last=1``; validation runs in bf16, the plugin's default). A mode the
 machine cannot run is recorded as ``unsupported`` with the reason: fp8 without an FP8-capable GPU (compute
@@ -104,8 +106,12 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "bf16-true:stochastic": ("bf16-true", {"master_weights": "stochastic"}),
     "bf16-true:none": ("bf16-true", {"master_weights": "none"}),
     "fp16-true": ("fp16-true", {}),
-    "fp8": ("fp8", {"fp8": dict(_FP8)}),
-    "fp8:bf16-weights": ("fp8", {"fp8": {**_FP8, "weights": "bf16"}}),
+    "fp8": ("fp8", {"fp8": dict(_FP8)}),  # (bf16 weights, fp32 masters, delayed scaling: the defaults)
+    "fp8:bf16-weights": ("fp8", {"fp8": {**_FP8, "weights": "bf16"}, "master_weights": "none"}),
+    "fp8:fp32-weights": ("fp8", {"fp8": {**_FP8, "weights": "fp32"}}),
+    "fp8:current": ("fp8", {"fp8": {**_FP8, "recipe": "current"}}),
+    "fp8:torchao-tensorwise": ("fp8", {"fp8": {**_FP8, "backend": "torchao", "recipe": "tensorwise"}}),
+    "fp8:torchao-rowwise": ("fp8", {"fp8": {**_FP8, "backend": "torchao", "recipe": "rowwise"}}),
 }
 #: a finished run that a later invocation does not train again (``unsupported`` is checked again)
 DONE = ("ok", "diverged", "failed")
@@ -301,10 +307,10 @@ def unsupported_reason(mode: str, device: str) -> Optional[str]:
         if torch.cuda.get_device_capability()[0] < 8:
             return "TF32 needs compute capability 8.0 or newer; on this GPU it is fp32"
     if precision == "fp8":
-        from lightning_mp.fp8.support import check_fp8_support
+        from lightning_mp.fp8.backend import make_backend
 
         try:
-            check_fp8_support(device, kwargs["fp8"].get("recipe", "delayed"))
+            make_backend(kwargs["fp8"]).check(device)
         except Exception as err:  # FP8UnavailableError, or Transformer Engine failing to import
             return f"{type(err).__name__}: {err}"
     return None
