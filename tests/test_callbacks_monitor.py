@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TinyRegressor, make_trainer
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -454,3 +454,74 @@ def test_the_monitor_shares_the_row_of_the_models_metrics_of_the_same_step(tmp_p
             assert float(r["precision/skip_rate"]) == 0.0 and float(r["precision/grad_norm"]) > 0
         else:  # nothing stale carried into a step the monitor did not log
             assert r["precision/grad_norm"] == ""
+
+
+# --------------------------------------------------------------------------------------------- FP8 layers
+def _fp8_on_cpu(monkeypatch):
+    """torchao's float8 runs on the CPU (torch's FP8 matmul there): the GPU checks are what stands aside."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'torchao>=0.18')")
+    import lightning_mp.fp8.support as support
+    from lightning_mp.fp8.torchao_backend import TorchAOFloat8
+
+    monkeypatch.setattr(TorchAOFloat8, "check", lambda self, device: None)
+    monkeypatch.setattr(support, "fp8_device_problem", lambda *args, **kwargs: None)
+
+
+class _FP8Net(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+
+    def training_step(self, batch, batch_idx):
+        x = batch[0]
+        loss = (self.net(x).float() - x).pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(0)
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(64, 32, generator=g)),
+                                           batch_size=16)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def test_fp8_layers_logs_each_fp8_layers_scaling(monkeypatch, tmp_path):
+    _fp8_on_cpu(monkeypatch)
+    from lightning.pytorch.loggers import CSVLogger
+
+    monitor = PrecisionMonitor(log_every_n_steps=1, fp8_layers=True)
+    plugin = MPPlugin("fp8", fp8={"backend": "torchao", "size_rule": "off", "keep_last": 0})
+    trainer = Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], callbacks=[monitor],
+                      logger=CSVLogger(str(tmp_path), name="run"), enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)
+    trainer.fit(_FP8Net())
+    fp8 = {k: v for k, v in monitor.last.items() if k.startswith("precision/fp8_")}
+    layers = {k.split("/", 2)[2] for k in fp8}
+    assert layers == {"net.0", "net.2"}  # the two FP8 layers, by their names
+    assert {k.split("/")[1] for k in fp8} >= {"fp8_input_amax", "fp8_weight_amax", "fp8_grad_amax"}
+    assert all(math.isfinite(v) and v > 0 for v in fp8.values())
+    weight = plugin.masters.master_of(_first_linear_weight(trainer))  # the amax the watch read: the weight's
+    assert fp8["precision/fp8_weight_amax/net.0"] == pytest.approx(float(weight.abs().max()), rel=0.02)
+    rows = (tmp_path / "run" / "version_0" / "metrics.csv").read_text().splitlines()
+    assert "precision/fp8_input_amax/net.0" in rows[0]
+
+
+def _first_linear_weight(trainer):
+    return trainer.lightning_module.net[0].weight
+
+
+def test_fp8_layers_without_fp8_warns_and_logs_nothing(tmp_path):
+    monitor = PrecisionMonitor(log_every_n_steps=1, fp8_layers=True)
+    trainer = Trainer(accelerator="cpu", max_steps=2, plugins=[MPPlugin("bf16")], callbacks=[monitor],
+                      logger=CSVLogger(str(tmp_path), name="run"), enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)
+    with pytest.warns(UserWarning, match=r"fp8_layers=True\): the run has no FP8 layers.*MPPlugin in 'bf16'"):
+        trainer.fit(_FP8Net())
+    assert not any(k.startswith("precision/fp8_") for k in monitor.last)
+
+
+def test_fp8_layers_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"fp8_layers='yes' is invalid: use true or false"):
+        PrecisionMonitor(fp8_layers="yes")

@@ -188,6 +188,12 @@ class PrecisionMonitor(Callback):
             logging step ran) or the file cannot be written, a warning says why.
         prog_bar: also show the scalar figures (loss scale, skipped steps, skip rate, consecutive skips, gradient
             norm; not the per-layer ones) on the progress bar.
+        fp8_layers: with ``MPPlugin("fp8")``, also log each FP8 layer's scaling as its backend keeps it (on
+            logging steps): ``precision/fp8_<figure>/<layer>`` for the figures of
+            :meth:`lightning_mp.fp8.backend.FP8Backend.layer_stats` — Transformer Engine's delayed scaling: the scale
+            and latest amax of the input, weight and output gradient and their headroom (the FP8 maximum over the
+            scaled amax: below 1, that tensor's largest values were clipped); torchao: the last amaxes read by the
+            saturation watch. One host read per logging step.
     """
 
     #: it reads gradients and never writes them: MPPlugin's verdict need not look again after this hook
@@ -200,6 +206,7 @@ class PrecisionMonitor(Callback):
         layers: Optional[str] = None,
         plot: Optional[str] = None,
         prog_bar: bool = False,
+        fp8_layers: bool = False,
     ) -> None:
         super().__init__()
         if log_every_n_steps is not None and (
@@ -209,7 +216,7 @@ class PrecisionMonitor(Callback):
                 f"log_every_n_steps={log_every_n_steps!r} is invalid: use an integer >= 1, or None for the"
                 " Trainer's log_every_n_steps."
             )
-        for name, flag in (("layer_stats", layer_stats), ("prog_bar", prog_bar)):
+        for name, flag in (("layer_stats", layer_stats), ("prog_bar", prog_bar), ("fp8_layers", fp8_layers)):
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} is invalid: use true or false.")
         self._layer_pattern: Optional[re.Pattern] = None
@@ -237,6 +244,7 @@ class PrecisionMonitor(Callback):
         self.layers = layers
         self.plot = plot
         self.prog_bar = prog_bar
+        self.fp8_layers = fp8_layers
 
         #: the figures of the last logging step (the same numbers on every rank)
         self.last: dict[str, float] = {}
@@ -293,6 +301,12 @@ class PrecisionMonitor(Callback):
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]
         self._every = self.log_every_n_steps if self.log_every_n_steps is not None else every
         self._names, self._modules = [], []
+        if self.fp8_layers and _fp8_backend(trainer) is None:
+            rank_zero_warn(
+                "PrecisionMonitor(fp8_layers=True): the run has no FP8 layers to report (it needs"
+                f" MPPlugin('fp8'); the precision plugin is {type(plugin).__name__}"
+                + (f" in {mode.name!r}" if (mode := getattr(plugin, "mode", None)) is not None else "") + ")."
+            )
         if self.layer_stats:
             self._names, self._modules = _choose_layers(pl_module, self._layer_pattern)
             if not self._names:
@@ -403,6 +417,8 @@ class PrecisionMonitor(Callback):
         self._grad.clear()
         figures = _scalar_figures(scalars, counts, grad_norm is not None)
         figures.update(_layer_figures(self._names, maxima, sums, self._grad_scale_used))
+        if self.fp8_layers:
+            figures.update(_fp8_figures(trainer))
         self.last = figures
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning logs this step's metrics
         self.history.append(
@@ -921,3 +937,23 @@ class _RankAgreement(Metric):
 
     def compute(self) -> tuple[Tensor, Tensor]:
         return self.maxima, self.sums
+
+
+def _fp8_backend(trainer: Trainer) -> Any:
+    """The run's FP8 backend (``MPPlugin("fp8")``), or ``None``."""
+    plugin = trainer.precision_plugin
+    mode = getattr(plugin, "mode", None)
+    run = getattr(plugin, "_run", None)
+    return getattr(run, "fp8", None) if mode is not None and mode.fp8 else None
+
+
+def _fp8_figures(trainer: Trainer) -> dict[str, float]:
+    """Each FP8 layer's scaling figures (:meth:`FP8Backend.layer_stats`), as ``precision/fp8_<figure>/<layer>``."""
+    backend = _fp8_backend(trainer)
+    if backend is None:
+        return {}
+    return {
+        f"precision/fp8_{figure}/{layer}": float(value)
+        for layer, figures in backend.layer_stats().items()
+        for figure, value in figures.items()
+    }
