@@ -201,26 +201,22 @@ def downcast_kept_(module: nn.Module, dtype: torch.dtype, keep_fp32: Iterable[st
     Lightning's ``precision="bf16-true"``/``"16-true"`` leaves (every floating parameter and buffer half: it runs
     in its own dtype, guards or not). The fp32 tensors replaced are remembered (not copied): the next run's
     :func:`upcast_kept_` gives them back exactly, unless they are written in between. Returns the number cast."""
-    kept_modules, keep_ids = _kept(module, keep_fp32)
     cast = 0
     done: dict[int, Tensor] = {}
     with torch.no_grad():
-        for sub in module.modules():
-            if id(sub) not in kept_modules:
+        for sub, key, tensor in _kept_tensors(module, *_kept(module, keep_fp32)):
+            if not tensor.is_floating_point() or tensor.dtype == dtype:
                 continue
-            for param in sub.parameters(recurse=False):
-                if id(param) in keep_ids and param.is_floating_point() and param.dtype != dtype:
-                    original = param.data
-                    param.data = original.to(dtype)
-                    if param.grad is not None:
-                        param.grad = param.grad.to(dtype)  # as Lightning's plugin leaves it: in the weight's dtype
-                    _remember(param, original, dtype)
-                    cast += 1
-            for key, buf in sub._buffers.items():
-                if buf is not None and id(buf) in keep_ids and buf.is_floating_point() and buf.dtype != dtype:
-                    sub._buffers[key] = half = _cast_once(buf, dtype, done)
-                    _remember(half, buf, dtype)
-                    cast += 1
+            if key is None:  # a parameter
+                original = tensor.data
+                tensor.data = original.to(dtype)
+                if tensor.grad is not None:
+                    tensor.grad = tensor.grad.to(dtype)  # as Lightning's plugin leaves it: in the weight's dtype
+                _remember(tensor, original, dtype)
+            else:
+                sub._buffers[key] = half = _cast_once(tensor, dtype, done)
+                _remember(half, tensor, dtype)
+            cast += 1
     return cast
 
 
@@ -264,22 +260,35 @@ def _upcast(module: nn.Module, kept_modules: set[int], keep_ids: set[int]) -> in
     cast = 0
     done: dict[int, Tensor] = {}
     with torch.no_grad():
-        for sub in module.modules():
-            if id(sub) not in kept_modules:
+        for sub, key, tensor in _kept_tensors(module, kept_modules, keep_ids):
+            if tensor.dtype not in _HALF:
                 continue
-            for param in sub.parameters(recurse=False):
-                if param.dtype in _HALF and id(param) in keep_ids:
-                    param.data = _fp32_value(param)
-                    if param.grad is not None:
-                        param.grad = None
-                    cast += 1
-            for key, buf in sub._buffers.items():
-                if buf is not None and buf.dtype in _HALF and id(buf) in keep_ids:
-                    if id(buf) not in done:
-                        done[id(buf)] = _fp32_value(buf)
-                    sub._buffers[key] = done[id(buf)]
-                    cast += 1
+            if key is None:  # a parameter
+                tensor.data = _fp32_value(tensor)
+                if tensor.grad is not None:
+                    tensor.grad = None
+            else:
+                if id(tensor) not in done:
+                    done[id(tensor)] = _fp32_value(tensor)
+                sub._buffers[key] = done[id(tensor)]
+            cast += 1
     return cast
+
+
+def _kept_tensors(
+    module: nn.Module, kept_modules: set[int], keep_ids: set[int]
+) -> Iterator[tuple[nn.Module, Optional[str], Tensor]]:
+    """The tensors the FP32 guards keep (:func:`_kept`): ``(module, None, parameter)`` and ``(module, name, buffer)``,
+    module by module (one walk for the casts both ways)."""
+    for sub in module.modules():
+        if id(sub) not in kept_modules:
+            continue
+        for param in sub.parameters(recurse=False):
+            if id(param) in keep_ids:
+                yield sub, None, param
+        for key, buf in list(sub._buffers.items()):
+            if buf is not None and id(buf) in keep_ids:
+                yield sub, key, buf
 
 
 def _cast_once(buf: Tensor, dtype: torch.dtype, done: dict[int, Tensor]) -> Tensor:
