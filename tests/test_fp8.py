@@ -368,7 +368,7 @@ def test_swap_converts_copies_and_reports(caplog):
     assert (
         summary.startswith("FP8: 6 of 9 nn.Linear -> te.Linear (") and "3 of 3 nn.LayerNorm -> te.LayerNorm" in summary
     )
-    assert "2 shapes TE cannot run (not divisible by 16)" in summary and "1 last layers (keep_last)" in summary
+    assert "2 shapes FP8 GEMMs cannot run (not divisible by 16)" in summary and "1 last layers (keep_last)" in summary
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     assert [r.getMessage() for r in infos] == [summary]
     debug = "\n".join(r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG)

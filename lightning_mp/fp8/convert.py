@@ -89,20 +89,27 @@ class ConversionReport:
     def count(self, kind: str, converted: bool = True) -> int:
         return sum(r.kind == kind for r in (self.converted if converted else self.skipped))
 
+    #: what the modules the model held before the swap are called in the summary
+    already_label = "Transformer Engine modules"
+
     def summary(self) -> str:
         """One line: counts of converted modules, the FP8 FLOP share, and skips grouped by reason."""
-        lin, lin_all = self.count("Linear"), self.count("Linear") + self.count("Linear", False)
-        ln, ln_all = self.count("LayerNorm"), self.count("LayerNorm") + self.count("LayerNorm", False)
-        text = (
-            f"FP8: {lin} of {lin_all} nn.Linear -> te.Linear ({100 * self.linear_flop_share:.1f} % of linear FLOPs),"
-            f" {ln} of {ln_all} nn.LayerNorm -> te.LayerNorm, {self.weights} weights"
-        )
+        text = self.head()
         if self.skipped:
             groups = Counter(_reason_group(r.reason or "") for r in self.skipped)
             text += "; kept in torch: " + ", ".join(f"{n} {why}" for why, n in groups.most_common())
         if self.already_te:
-            text += f"; {self.already_te} Transformer Engine modules were already there"
+            text += f"; {self.already_te} {self.already_label} were already there"
         return text
+
+    def head(self) -> str:
+        """The summary's first part: what was swapped for what, the FP8 FLOP share, the weights."""
+        lin, lin_all = self.count("Linear"), self.count("Linear") + self.count("Linear", False)
+        ln, ln_all = self.count("LayerNorm"), self.count("LayerNorm") + self.count("LayerNorm", False)
+        return (
+            f"FP8: {lin} of {lin_all} nn.Linear -> te.Linear ({100 * self.linear_flop_share:.1f} % of linear FLOPs),"
+            f" {ln} of {ln_all} nn.LayerNorm -> te.LayerNorm, {self.weights} weights"
+        )
 
     def details(self) -> str:
         """Every module, one per line (logged at DEBUG)."""
@@ -133,7 +140,7 @@ def _reason_group(reason: str) -> str:
     for key, label in (
         ("keep_first", "first layers (keep_first)"),
         ("keep_last", "last layers (keep_last)"),
-        ("divisible by", "shapes TE cannot run (not divisible by 16)"),
+        ("divisible by", "shapes FP8 GEMMs cannot run (not divisible by 16)"),
         ("too small", "too small for FP8 (size rule)"),
         ("include", "not in include"),
         ("exclude", "excluded by name"),

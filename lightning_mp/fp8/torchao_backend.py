@@ -74,7 +74,6 @@ import importlib.util
 import logging
 import math
 import warnings
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
@@ -293,7 +292,9 @@ class TorchAOConversionReport(ConversionReport):
     #: whether each Float8Linear's forward is compiled (``None``: not decided yet)
     compiled: Optional[bool] = None
 
-    def summary(self) -> str:
+    already_label = "Float8Linear layers"
+
+    def head(self) -> str:
         lin, lin_all = self.count("Linear"), self.count("Linear") + self.count("Linear", False)
         text = (
             f"FP8 (torchao, {self.recipe}): {lin} of {lin_all} nn.Linear -> Float8Linear"
@@ -301,31 +302,7 @@ class TorchAOConversionReport(ConversionReport):
         )
         if self.compiled is not None:
             text += ", layers compiled" if self.compiled else ", layers not compiled"
-        if self.skipped:
-            groups = Counter(_reason_group(r.reason or "") for r in self.skipped)
-            text += "; kept in torch: " + ", ".join(f"{n} {why}" for why, n in groups.most_common())
-        if self.already_te:
-            text += f"; {self.already_te} Float8Linear layers were already there"
         return text
-
-
-def _reason_group(reason: str) -> str:
-    for key, label in (
-        ("keep_first", "first layers (keep_first)"),
-        ("keep_last", "last layers (keep_last)"),
-        ("divisible by", "shapes FP8 GEMMs cannot run (not divisible by 16)"),
-        ("too small", "too small for FP8 (size rule)"),
-        ("include", "not in include"),
-        ("exclude", "excluded by name"),
-        ("tied", "tied weights"),
-        ("FP32 guard", "FP32-guarded"),
-        ("hook", "with hooks"),
-        ("subclasses", "subclasses of Linear"),
-        ("module_filter_fn", "refused by module_filter_fn"),
-    ):
-        if key in reason:
-            return label
-    return "other"
 
 
 def convert_to_torchao(
