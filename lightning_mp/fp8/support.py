@@ -78,6 +78,33 @@ def _recipe_module() -> Any:
 
 
 # --------------------------------------------------------------------------------------------- capability
+def device_problem(
+    device_type: str,
+    capability: Optional[tuple[int, int]] = None,
+    device_name: Optional[str] = None,
+    who: str = "precision='fp8'",
+) -> Optional[str]:
+    """Why this device cannot run FP8 GEMMs at all (not an NVIDIA GPU, or compute capability below 8.9), whatever
+    the backend (``who``: how the message names what was asked for), or ``None``."""
+    if device_type != "cuda":
+        where = "the CPU" if device_type == "cpu" else f"device type {device_type!r}"
+        return (
+            f"{who} needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada,"
+            f" Hopper or Blackwell, e.g. L40S, H100, H200, B200), but the run is on {where}."
+            " Use precision='bf16' instead."
+        )
+    name = device_name or "this GPU"
+    if capability is not None and tuple(capability) < FP8_MIN_CAPABILITY:
+        major, minor = capability
+        instead = "'bf16'" if tuple(capability) >= (8, 0) else "'fp16' (with loss scaling)"
+        return (
+            f"{who} needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper or Blackwell,"
+            f" e.g. L40S, H100, H200, B200), but {name} has compute capability {major}.{minor}."
+            f" Use precision={instead} on this GPU instead."
+        )
+    return None
+
+
 def fp8_support_problem(
     *,
     device_type: str,
@@ -99,22 +126,10 @@ def fp8_support_problem(
     ``None`` means not installed), the recipe class in that TE, and TE's own verdict on the recipe
     (``te_reason``, e.g. from ``te.is_mxfp8_available(return_reason=True)``).
     """
-    if device_type != "cuda":
-        where = "the CPU" if device_type == "cpu" else f"device type {device_type!r}"
-        return (
-            "precision='fp8' needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada,"
-            f" Hopper or Blackwell, e.g. L40S, H100, H200, B200), but the run is on {where}."
-            " Use precision='bf16' instead."
-        )
+    problem = device_problem(device_type, capability, device_name)
+    if problem is not None:
+        return problem
     name = device_name or "this GPU"
-    if capability is not None and tuple(capability) < FP8_MIN_CAPABILITY:
-        major, minor = capability
-        instead = "'bf16'" if tuple(capability) >= (8, 0) else "'fp16' (with loss scaling)"
-        return (
-            "precision='fp8' needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper or Blackwell,"
-            f" e.g. L40S, H100, H200, B200), but {name} has compute capability {major}.{minor}."
-            f" Use precision={instead} on this GPU instead."
-        )
     if te_version is None:
         return (
             "precision='fp8' runs its FP8 matrix multiplies through NVIDIA Transformer Engine, which is not"

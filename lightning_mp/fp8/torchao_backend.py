@@ -84,7 +84,7 @@ from torch import Tensor, nn
 from lightning_mp.fp8.config import FP8Config
 from lightning_mp.fp8.convert import ConversionReport, ModuleRecord, apply_weights_dtype
 from lightning_mp.fp8.filters import ModuleFilter, ModuleFilterFn
-from lightning_mp.fp8.support import FP8_MIN_CAPABILITY, FP8UnavailableError
+from lightning_mp.fp8.support import FP8_MIN_CAPABILITY, FP8UnavailableError, device_problem
 
 log = logging.getLogger("lightning_mp.fp8")
 
@@ -185,22 +185,10 @@ def torchao_support_problem(
     there too with torch 2.7+), torchao installed (``torchao_version`` ``None``: not installed), and the result of
     one small ``torch._scaled_mm`` with the recipe's scales on the device (``probe_error``: what torch raised).
     """
-    if device_type != "cuda":
-        where = "the CPU" if device_type == "cpu" else f"device type {device_type!r}"
-        return (
-            "precision='fp8' with backend='torchao' needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9"
-            f" or newer: Ada, Hopper or Blackwell, e.g. L40S, H100, H200, B200), but the run is on {where}."
-            " Use precision='bf16' instead."
-        )
+    problem = device_problem(device_type, capability, device_name, who="precision='fp8' with backend='torchao'")
+    if problem is not None:
+        return problem
     name = device_name or "this GPU"
-    if capability is not None and tuple(capability) < FP8_MIN_CAPABILITY:
-        major, minor = capability
-        instead = "'bf16'" if tuple(capability) >= (8, 0) else "'fp16' (with loss scaling)"
-        return (
-            "precision='fp8' with backend='torchao' needs FP8 tensor cores (compute capability 8.9 or newer: Ada,"
-            f" Hopper or Blackwell, e.g. L40S, H100, H200, B200), but {name} has compute capability {major}.{minor}."
-            f" Use precision={instead} on this GPU instead."
-        )
     if torchao_version is None:
         return (
             "precision='fp8' with backend='torchao' runs its FP8 matrix multiplies through torchao's float8"
