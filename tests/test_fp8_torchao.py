@@ -31,7 +31,11 @@ from lightning_mp.fp8.torchao_backend import (
     torchao_support_problem,
 )
 
-pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'torchao>=0.18')")
+try:
+    import torchao.float8  # noqa: F401
+except ImportError as err:  # not installed, or built for a newer torch (0.18 needs torch >= 2.10)
+    pytest.skip(f"torchao's float8 cannot be imported here: {err} (pip install 'torchao>=0.18')",
+                allow_module_level=True)
 
 AO = {"backend": "torchao"}
 OFF = {"size_rule": "off"}  # toy layers are far below the auto size threshold
