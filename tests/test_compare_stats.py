@@ -125,3 +125,29 @@ def test_confidence_is_capped_by_how_little_was_timed(n, expected):
         assert (d.thin is None) is (expected == "high")
     if d.thin:
         assert f"{n} timed step" in d.thin
+
+
+def test_the_tightest_fp8_layer_is_the_least_headroom_over_layers_and_tensors():
+    from lightning_mp.tools.compare_engine import tightest_fp8_layer
+
+    stats = {
+        "blocks.0.fc1": {"input_scale": 2.0, "input_amax": 10.0, "input_headroom": 22.4, "grad_headroom": 3.5},
+        "blocks.1.fc2": {"input_headroom": 1.7, "weight_headroom": 0.8, "grad_amax": 1e-3},
+    }
+    assert tightest_fp8_layer(stats) == (0.8, "blocks.1.fc2 weight")
+    assert tightest_fp8_layer({}) == (None, None)
+    assert tightest_fp8_layer({"head": {"input_amax": 3.0}}) == (None, None)  # torchao: amaxes only
+
+
+def test_the_fp8_row_names_its_tightest_layer_and_says_clipped():
+    from lightning_mp.tools.compare_engine import ModeResult
+    from lightning_mp.tools.compare_report import format_table
+
+    rows = [ModeResult("fp32", step_ms=10.0, steps=5, skipped_steps=0),
+            ModeResult("fp8", step_ms=5.0, steps=5, skipped_steps=0, loss_drift=0.001, fp8_headroom=0.8,
+                       fp8_layer="blocks.1.fc2 weight"),
+            ModeResult("fp8:current", step_ms=5.0, steps=5, skipped_steps=0, fp8_headroom=5.25, fp8_layer="x grad")]
+    table, _ = format_table(rows, reference="fp32")
+    assert "tightest FP8 layer blocks.1.fc2 weight: headroom 0.8x (clipped)" in table
+    assert "tightest FP8 layer x grad: headroom 5.25x ·" in table or "headroom 5.25x |" in table
+    assert table.count("tightest FP8 layer") == 2

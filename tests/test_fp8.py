@@ -593,3 +593,34 @@ def test_fp8_training_state_before_convert_and_errors(tmp_path):
     fp8.load_state_dict(None)
     with pytest.raises(ValueError, match="checkpoint's FP8 state is corrupted"):
         fp8.load_state_dict({"modules": 3})
+
+
+def test_layer_stats_read_transformer_engines_delayed_scaling_state():
+    """FP8Training.layer_stats: per layer, the scale and latest amax of input, weight and output gradient as TE keeps
+    them (fp8_meta, delayed scaling), and the headroom to the format's maximum (E4M3 448 forward, E5M2 57344 back)."""
+    from types import SimpleNamespace
+
+    from lightning_mp.fp8 import FP8Training
+
+    class DelayedScaling:  # (TE's recipe class is recognised by its name or its delayed())
+        fp8_format = "Format.HYBRID"
+
+    layer = nn.Linear(4, 4)
+    layer.fp8_meta = {
+        "recipe": DelayedScaling(),
+        "scaling_fwd": SimpleNamespace(scale=torch.tensor([2.0, 4.0, 1.0]),
+                                       amax_history=torch.tensor([[112.0, 224.0, 0.0], [1.0, 1.0, 1.0]])),
+        "scaling_bwd": SimpleNamespace(scale=torch.tensor([1024.0, 1.0]),
+                                       amax_history=torch.tensor([[7.0, 0.0]])),
+    }
+    model = nn.Sequential(layer, nn.ReLU())
+    fp8 = FP8Training()
+    fp8._model = model
+    stats = fp8.layer_stats()
+    assert set(stats) == {"0"}
+    s = stats["0"]
+    assert (s["input_scale"], s["input_amax"], s["input_headroom"]) == (2.0, 112.0, 448.0 / 224.0)
+    assert (s["weight_scale"], s["weight_amax"], s["weight_headroom"]) == (4.0, 224.0, 0.5)  # clipped: below 1
+    assert (s["grad_scale"], s["grad_amax"], s["grad_headroom"]) == (1024.0, 7.0, 57344.0 / 7168.0)
+    layer.fp8_meta["recipe"] = SimpleNamespace(delayed=lambda: False)  # current scaling keeps no state to read
+    assert fp8.layer_stats() == {}

@@ -96,6 +96,10 @@ class ModeResult:
     grad_headroom_bits: Optional[float] = None
     grad_layer: Optional[str] = None
     grad_underflow: Optional[float] = None
+    #: fp8 (delayed scaling): the FP8 layer whose tensor came closest to FP8's largest value at the last step
+    #: (headroom = the format's maximum over the scaled amax; below 1 it was clipped), as "layer tensor"
+    fp8_headroom: Optional[float] = None
+    fp8_layer: Optional[str] = None
 
     @property
     def ran(self) -> bool:
@@ -658,6 +662,10 @@ def _fit(p, scheduler, schedule, device_type, seed, initial_state, trainer_kwarg
             stats = plugin.stats.as_dict()
             result.skipped_steps, result.loss_scale, result.steps = (
                 stats["skipped_steps"], stats["loss_scale"], stats["steps"])
+            mode = getattr(plugin, "mode", None)
+            fp8 = getattr(getattr(plugin, "_run", None), "fp8", None) if mode is not None and mode.fp8 else None
+            if fp8 is not None:
+                result.fp8_headroom, result.fp8_layer = tightest_fp8_layer(fp8.layer_stats())
         else:
             result.steps = trainer.global_step
             scaler = getattr(trainer.precision_plugin, "scaler", None)
@@ -715,3 +723,14 @@ def _summarize(p: _Participant, schedule: Schedule, device_type: str) -> None:
         result.final_loss = sum(tail) / len(tail)
     if result.status == "ok" and result.losses and not math.isfinite(result.losses[-1]):
         result.status, result.reason = "diverged", "the last loss is not finite"
+
+
+def tightest_fp8_layer(stats: dict[str, dict[str, float]]) -> tuple[Optional[float], Optional[str]]:
+    """The FP8 layer and tensor with the least headroom (:meth:`FP8Backend.layer_stats`' ``*_headroom`` figures):
+    ``(headroom, "layer tensor")``, or ``(None, None)`` where the backend keeps none (stateless recipes)."""
+    best: tuple[Optional[float], Optional[str]] = (None, None)
+    for layer, figures in stats.items():
+        for name, value in figures.items():
+            if name.endswith("_headroom") and (best[0] is None or value < best[0]):
+                best = (value, f"{layer} {name[: -len('_headroom')]}")
+    return best

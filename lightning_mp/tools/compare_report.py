@@ -85,6 +85,9 @@ def _stability_cell(r: ModeResult, is_reference: bool, note: Optional[int]) -> s
     if r.act_headroom_bits is not None or r.grad_headroom_bits is not None:
         parts.append(f"fp16 headroom act {headroom_text(r.act_headroom_bits)},"
                      f" grad {headroom_text(r.grad_headroom_bits)}")
+    if r.fp8_headroom is not None:
+        clipped = " (clipped)" if r.fp8_headroom < 1 else ""
+        parts.append(f"tightest FP8 layer {r.fp8_layer}: headroom {r.fp8_headroom:.3g}x{clipped}")
     if r.loss_scale is not None:
         parts.append(f"loss scale {r.loss_scale:g}")
     return " · ".join(parts)
