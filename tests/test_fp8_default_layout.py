@@ -1,0 +1,183 @@
+"""MPPlugin("fp8")'s default layout through the real Trainer on the CPU: bf16 weights in the model, fp32 master
+weights in the step (``fp8={"weights": "auto"}``), with torchao's float8 as the backend — torch runs its FP8 matmuls
+on the CPU, so only the GPU checks stand aside. The same layout with Transformer Engine runs on the GPU
+(``tests/gpu/test_fp8_default_gpu.py``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from torch import nn
+
+from lightning_mp import MPPlugin
+from lightning_mp.master import FP32MasterWeights
+
+try:
+    import torchao.float8  # noqa: F401
+except ImportError as err:  # not installed, or built for a newer torch (0.18 needs torch >= 2.10)
+    pytest.skip(f"torchao's float8 cannot be imported here: {err}", allow_module_level=True)
+
+AO = {"backend": "torchao", "size_rule": "off", "keep_last": 0}
+
+
+@pytest.fixture(autouse=True)
+def fp8_on_cpu(monkeypatch):
+    import lightning_mp.fp8.support as support
+    from lightning_mp.fp8.torchao_backend import TorchAOFloat8
+
+    monkeypatch.setattr(TorchAOFloat8, "check", lambda self, device: None)
+    monkeypatch.setattr(support, "fp8_device_problem", lambda *args, **kwargs: None)
+
+
+class Net(LightningModule):
+    def __init__(self, poison_at: int = -1) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(64, 32)
+        self.fc1, self.fc2 = nn.Linear(32, 64), nn.Linear(64, 32)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 64)
+        self.poison_at = poison_at
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        h = h + self.fc2(torch.relu(self.fc1(h)))
+        return self.head(self.norm(h))
+
+    def training_step(self, batch, batch_idx):
+        # by the restored global batch index: a resumed run sees the batches of an uninterrupted one (Lightning
+        # starts a plain DataLoader's epoch again on a resume)
+        index = self.trainer.fit_loop.epoch_loop.total_batch_idx % len(self.batches)
+        tokens = self.batches[index]
+        logits = self(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        return loss * float("inf") if batch_idx == self.poison_at else loss
+
+    @property
+    def batches(self) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(1)
+        return list(torch.randint(0, 64, (8, 8, 17), generator=g).unbind(0))
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 1)), batch_size=8)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def fit(plugin, steps=6, model=None, **kwargs):
+    seed_everything(0)
+    model = model if model is not None else Net()
+    trainer = Trainer(accelerator="cpu", max_steps=steps, plugins=[plugin], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, **kwargs)
+    trainer.fit(model)
+    return model, trainer
+
+
+def test_the_default_trains_bf16_weights_with_fp32_masters_that_start_exact():
+    model = Net()
+    fp32 = {name: p.detach().clone() for name, p in model.named_parameters()}
+    plugin = MPPlugin("fp8", fp8=AO)
+    fit(plugin, steps=0, model=model)  # (set-up only: the masters start from the exact fp32 weights)
+    model, trainer = fit(plugin := MPPlugin("fp8", fp8=AO), steps=1, model=Net())
+    assert plugin.master_weights == "fp32" and isinstance(plugin.masters, FP32MasterWeights)
+    assert model.fc1.weight.dtype == torch.bfloat16 and model.emb.weight.dtype == torch.bfloat16
+    assert model.norm.weight.dtype == torch.float32  # an FP32 guard keeps its weights fp32
+    assert "bf16 weights, fp32 master weights" in repr(plugin) or plugin.master_weights == "fp32"
+    start = Net()  # the same seed: what the masters start from, before the first step moved them
+    for name, param in model.named_parameters():
+        if param.dtype == torch.bfloat16:
+            master = plugin.masters.master_of(param)
+            assert master is not None and master.dtype == torch.float32, name
+            assert torch.equal(master.to(torch.bfloat16), param.detach()), name  # the weight is its rounding
+            assert not torch.equal(master, start.get_parameter(name).detach()), name  # and it trained
+    assert set(fp32) == {n for n, _ in model.named_parameters()}
+
+
+def test_masters_keep_what_bf16_would_round_away():
+    """Updates below bf16's resolution accumulate in the masters: after a few steps at a tiny learning rate the
+    weights moved under the default and stayed put without masters."""
+    class Tiny(Net):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=2e-3)
+
+    with_masters, _ = fit(MPPlugin("fp8", fp8=AO), steps=24, model=Tiny())
+    without, _ = fit(MPPlugin("fp8", fp8=AO, master_weights="none"), steps=24, model=Tiny())
+    start = Tiny()
+    moved = (with_masters.fc1.weight.float() != start.fc1.weight.to(torch.bfloat16).float()).sum()
+    stuck = (without.fc1.weight.float() != start.fc1.weight.to(torch.bfloat16).float()).sum()
+    assert stuck < moved
+
+
+class _Unchanged(Callback):
+    """Parameters, fp32 masters and optimizer state after the poisoned batch equal those before it."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.checked, self.masters = at, False, 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            masters = trainer.precision_plugin.masters
+            self.before = ({n: p.detach().clone() for n, p in pl_module.named_parameters()},
+                           {n: masters.master_of(p).clone() for n, p in pl_module.named_parameters()
+                            if masters.master_of(p) is not None},
+                           copy.deepcopy(trainer.optimizers[0].state_dict()["state"]))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx != self.at:
+            return
+        params, masters, state = self.before
+        plugin_masters = trainer.precision_plugin.masters
+        for name, param in pl_module.named_parameters():
+            assert torch.equal(param.detach(), params[name]), name
+            if name in masters:
+                assert torch.equal(plugin_masters.master_of(param), masters[name]), name
+        after = trainer.optimizers[0].state_dict()["state"]
+        for key, entry in state.items():
+            for k, v in entry.items():
+                assert torch.equal(torch.as_tensor(after[key][k]), torch.as_tensor(v)), (key, k)
+        self.checked, self.masters = True, len(masters)
+
+
+def test_a_poisoned_step_changes_nothing():
+    plugin, check = MPPlugin("fp8", fp8=AO), _Unchanged(at=3)
+    fit(plugin, steps=5, model=Net(poison_at=3), callbacks=[check])
+    assert plugin.stats.skipped_steps == 1 and check.checked and check.masters == 7  # (all but the guarded norm)
+
+
+def test_master_weights_none_and_fp32_weights_are_the_other_layouts():
+    model, _ = fit(plugin := MPPlugin("fp8", fp8=AO, master_weights="none"), steps=2)
+    assert plugin.masters is None and plugin.master_weights == "none" and model.fc1.weight.dtype == torch.bfloat16
+    model, _ = fit(plugin := MPPlugin("fp8", fp8={**AO, "weights": "fp32"}), steps=2)
+    assert plugin.masters is None and plugin.master_weights is None and model.fc1.weight.dtype == torch.float32
+
+
+def test_kahan_masters_with_fp8():
+    model, _ = fit(plugin := MPPlugin("fp8", fp8=AO, master_weights="kahan"), steps=3)
+    assert plugin.master_weights == "kahan" and model.fc1.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("weights, kind", [("fp32", "fp32"), ("fp8", "kahan")])
+def test_master_weights_with_weights_that_are_not_bf16_is_refused_up_front(weights, kind):
+    with pytest.raises(ValueError, match=rf"master_weights='{kind}' applies to bf16 weights, but fp8=\{{'weights':"):
+        MPPlugin("fp8", fp8={"weights": weights}, master_weights=kind)
+
+
+def test_resume_is_bit_identical(tmp_path):
+    whole, _ = fit(MPPlugin("fp8", fp8=AO), steps=12)
+    _, trainer = fit(MPPlugin("fp8", fp8=AO), steps=5)
+    path = str(tmp_path / "half.ckpt")
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)
+    masters = saved["MPPlugin"]["master_weights"]
+    assert masters["kind"] == "fp32" and masters["masters"]["fc1.weight"].dtype == torch.float32
+    seed_everything(0)
+    rest = Net()
+    trainer = Trainer(accelerator="cpu", max_steps=12, plugins=[MPPlugin("fp8", fp8=AO)], logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(rest, ckpt_path=path)
+    for (name, a), b in zip(whole.named_parameters(), rest.parameters()):
+        assert torch.equal(a, b), name
