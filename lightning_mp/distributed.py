@@ -115,7 +115,7 @@ def _check_fp8_weights_strategy(strategy: Any) -> None:
     if is_strategy(strategy, "FSDPStrategy"):
         raise MisconfigurationException(
             "MPPlugin('fp8', fp8={'weights': 'fp8'}) does not run under FSDPStrategy: FSDP (1) flattens parameters"
-            " and cannot shard Transformer Engine's FP8 weights. Use ModelParallelStrategy (FSDP2: it gathers them in"
+            " and cannot shard the FP8 backend's FP8 weights. Use ModelParallelStrategy (FSDP2: it gathers them in"
             " FP8), or fp8={'weights': 'fp32'} with fsdp_param_dtype='bf16' (bf16 gathers) under FSDPStrategy."
         )
     if is_strategy(strategy, "DDPStrategy"):

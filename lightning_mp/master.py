@@ -12,7 +12,7 @@ written into the weight. Four ways to deal with it, chosen with ``MPPlugin(maste
 ``"stochastic"``  the updated weight is rounded to half precision stochastically:        2 bytes/param
                 unbiased, so small updates survive on average
 ``"none"``      plain half weights, as Lightning's ``bf16-true`` (optimizer state half)   2 bytes/param
-``"optimizer"``  the optimizer keeps fp32 masters itself (Transformer Engine's            2 + 4 bytes/param
+``"optimizer"``  the optimizer keeps fp32 masters itself (a fused Adam with               2 + 4 bytes/param
                 ``FusedAdam(master_weights=True)``); nothing is attached here
 ==============  =====================================================================  ==================
 
@@ -1594,8 +1594,8 @@ def attach_master_weights(
 def keeps_own_masters(optimizer: Optimizer) -> bool:
     """Whether ``optimizer`` keeps fp32 master weights of half-precision parameters itself.
 
-    Transformer Engine's and Apex's ``FusedAdam(master_weights=True)`` say so with a ``master_weights``
-    attribute; a LightningOptimizer is looked through.
+    Fused Adam implementations that keep fp32 masters (``FusedAdam(master_weights=True)``) say so with a
+    ``master_weights`` attribute; a LightningOptimizer is looked through.
     """
     optimizer = getattr(optimizer, "_optimizer", optimizer)
     return getattr(optimizer, "master_weights", False) is True

@@ -81,7 +81,7 @@ MODES: dict[str, PrecisionMode] = {
         ),
         PrecisionMode(
             "fp8", "transformer-engine", torch.bfloat16, False, None,
-            "FP8 GEMMs (Transformer Engine or torchao), bf16 weights and autocast for the rest, fp32 master weights",
+            "FP8 GEMMs through the FP8 backend, bf16 weights and autocast for the rest, fp32 master weights",
         ),
     )
 }
@@ -160,7 +160,7 @@ def _close_name(key: str) -> Optional[str]:
 def compute_dtype(mode: PrecisionMode) -> torch.dtype:
     """The dtype a mode's matrix multiplications run in, as Lightning's ``ThroughputMonitor`` reads it to look up
     the device's peak FLOPs: fp32/tf32 -> ``float32`` (TF32 is a matmul setting of fp32), bf16/bf16-true ->
-    ``bfloat16``, fp16/fp16-true -> ``float16``, fp8 -> ``int8`` (as Lightning's Transformer Engine plugin: its
+    ``bfloat16``, fp16/fp16-true -> ``float16``, fp8 -> ``int8`` (as Lightning's ``transformer-engine``: its
     FLOPs table lists the FP8 tensor-core rate under int8).
 
     >>> compute_dtype(MODES["bf16-true"])

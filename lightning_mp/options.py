@@ -96,9 +96,6 @@ def summary(plugin: Any) -> str:
     return f"{mode.name} {kind} ({', '.join(parts)}) on {plugin.device}"
 
 
-_BACKENDS = {"transformer_engine": "Transformer Engine", "torchao": "torchao"}
-
-
 def _fp8_weights(plugin: Any) -> str:
     fp8 = getattr(getattr(plugin, "_run", None), "fp8", None)
     return str(getattr(fp8, "weights", None) or plugin.fp8_config.weights)
@@ -107,8 +104,10 @@ def _fp8_weights(plugin: Any) -> str:
 def _weights_clauses(plugin: Any, mode: Any) -> list[str]:
     """The dtypes the weights are kept and the compute runs in (and the master weights of a true-half mode)."""
     if mode.fp8:
+        from lightning_mp.fp8.config import BACKEND_TITLES
+
         return [
-            f"{_BACKENDS.get(plugin.fp8_config.backend, plugin.fp8_config.backend)} FP8 GEMMs,"
+            f"{BACKEND_TITLES.get(plugin.fp8_config.backend, plugin.fp8_config.backend)} FP8 GEMMs,"
             f" {plugin.fp8_config.recipe} scaling",
             "autocast bf16 for the rest",
             f"{_fp8_weights(plugin)} weights" + (f", {plugin.master_weights} master weights"

@@ -19,15 +19,14 @@ LightningModule's class: a descriptor  (:mod:`lightning_mp.schedulers`)
 that holds the trained instance only                                   back once no instance is held)
 TF32 flags (``torch.backends``)        ``connect`` (``tf32=`` or the   ``teardown`` (the values found before)
                                        mode's)
-Transformer Engine's                   ``connect`` (fp8 with           ``teardown``
-``FP8GlobalStateManager.reduce_and_    saturation checks)
-update_fp8_tensors`` and hooks on its  (:mod:`lightning_mp.fp8.sentinel`)
-FP8 modules
+the FP8 backend's saturation watch     ``connect`` (fp8 with           ``teardown``
+(its amax reduction, hooks on its FP8  saturation checks)
+layers: :mod:`lightning_mp.fp8`)
 =====================================  ==============================  =============================================
 
 Not patches, and kept after the run as Lightning's own plugins keep them: true-half weights stay half (as
-``precision="bf16-true"`` leaves them, the guarded modules' too), FP8 layers stay Transformer Engine's
-(as Lightning's ``TransformerEnginePrecision`` leaves them), and ``LightningModule.dtype`` reports the dtype the
+``precision="bf16-true"`` leaves them, the guarded modules' too), FP8 layers stay the backend's
+(as Lightning's ``transformer-engine`` precision leaves them), and ``LightningModule.dtype`` reports the dtype the
 weights were cast to. State that lives only while code runs (autocast, the default dtype in true-half modes, the
 fp32 regions of guards) is entered and left by context managers, also when an exception unwinds them.
 

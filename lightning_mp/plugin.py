@@ -137,7 +137,7 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         """The FP32 guards this run installs: ``fp32_modules`` as the mode and device use it."""
         spec, mode = self.fp32_guards, self.mode
         if mode is not None and not mode.true_half and device_type == "cuda":
-            # fp32 weights: CUDA autocast (any mode a schedule switches to) and TE's norms run these in fp32 already
+            # fp32 weights: CUDA autocast (any mode a schedule switches to) and FP8 norms run these in fp32 already
             spec = spec.without_autocast_fp32()
         if mode is not None and mode.param_dtype is torch.bfloat16 and self._weights.kind(mode) != "none":
             spec = spec.with_native_layer_norm()  # (the defaults: torch's LayerNorm on bf16, masters keep fp32 values)
@@ -180,7 +180,7 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
             if self._steps is not None:
                 self._steps.close()  # the last batch ends, the gradient hooks go
         finally:
-            self._patches.undo_all()  # guards, the scheduler hold, TF32, TE: the module is a plain module again
+            self._patches.undo_all()  # guards, the scheduler hold, TF32, FP8 hooks: the module is a plain module again
             if self.masters is not None:
                 # Lightning's teardown moved the model and the optimizer state to the CPU: the masters follow, so
                 # the GPU memory is freed as with Lightning's plugins (they come back at the next fit's set-up)

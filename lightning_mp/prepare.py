@@ -2,14 +2,14 @@
 there by hand) shards the model.
 
 Lightning calls a precision plugin's ``convert_module`` after ``configure_model``: under ``ModelParallelStrategy``
-the parameters are DTensor shards by then and a layer can no longer be replaced. Transformer Engine's modules
+the parameters are DTensor shards by then and a layer can no longer be replaced. The FP8 backend's layers
 shard like any other module, so the swap has to come first, inside ``configure_model``::
 
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from lightning_mp import prepare_fp8
 
     def configure_model(self):
-        prepare_fp8(self)                       # MPPlugin("fp8"): TE layers now; any other precision: nothing
+        prepare_fp8(self)                       # MPPlugin("fp8"): FP8 layers now; any other precision: nothing
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in self.model.blocks:
             fully_shard(block, mesh=self.device_mesh["data_parallel"], mp_policy=policy)

@@ -372,7 +372,7 @@ class MPSettings(_Settings):
                     " backoff_factor=..., growth_interval=...), or lightning_mp.DynamicLossScaler for hysteresis,"
                     " min_scale, max_scale and a static scale), or drop scaler= and pass them to MPPlugin."
                 )
-        put("fp8", FP8Config.from_value(self.fp8))  # validated now; Transformer Engine is imported at set-up only
+        put("fp8", FP8Config.from_value(self.fp8))  # validated now; the FP8 library is imported at set-up only
         if self.fp8 != FP8Config() and not uses_fp8_settings(self.precision):
             rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={self.precision!r}; they apply to 'fp8'.")
         if self.precision == AUTO:

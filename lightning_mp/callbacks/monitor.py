@@ -190,7 +190,7 @@ class PrecisionMonitor(Callback):
             norm; not the per-layer ones) on the progress bar.
         fp8_layers: with ``MPPlugin("fp8")``, also log each FP8 layer's scaling as its backend keeps it (on
             logging steps): ``precision/fp8_<figure>/<layer>`` for the figures of
-            :meth:`lightning_mp.fp8.backend.FP8Backend.layer_stats` — Transformer Engine's delayed scaling: the scale
+            :meth:`lightning_mp.fp8.backend.FP8Backend.layer_stats` — with delayed scaling: the scale
             and latest amax of the input, weight and output gradient and their headroom (the FP8 maximum over the
             scaled amax: below 1, that tensor's largest values were clipped); torchao: the last amaxes read by the
             saturation watch. One host read per logging step.
@@ -541,7 +541,7 @@ class ThroughputMonitor(_LightningThroughputMonitor):
     ``MixedPrecision`` subclass counts as fp16 unless ``precision == "bf16-mixed"``, so ``MPPlugin`` in ``fp32``,
     ``tf32``, ``bf16-true`` or ``fp8`` gets fp16's peak. This one uses the mode's dtype (``compute_dtype``:
     ``float32`` with TF32 when the run turns it on, ``bfloat16``, ``float16``, ``int8`` for FP8 as Lightning's
-    Transformer Engine plugin does); with any other precision plugin it is Lightning's unchanged.
+    ``transformer-engine`` precision does); with any other precision plugin it is Lightning's unchanged.
 
     The peak follows the mode in force at each batch, whatever changed it (a ``PrecisionSchedule`` entry,
     ``MPPlugin.set_precision``, a checkpoint resumed in another mode): at the start of every batch the mode is

@@ -25,6 +25,8 @@ BACKEND_RECIPES: dict[str, tuple[str, ...]] = {
     "transformer_engine": ("delayed", "current", "block", "mxfp8"),
     "torchao": ("tensorwise", "rowwise"),
 }
+#: the backends' names in messages
+BACKEND_TITLES: dict[str, str] = {"transformer_engine": "Transformer Engine", "torchao": "torchao"}
 #: how the backend may be written (YAML, the CLI) -> its name
 BACKEND_ALIASES: dict[str, str] = {
     "transformer_engine": "transformer_engine", "transformer-engine": "transformer_engine", "te": "transformer_engine",

@@ -19,7 +19,7 @@ Where the errors come from, and what is done with each:
   name): jsonargparse reports it as "Not a valid subclass". The parsed entries are then built one by one
   to find the one that fails, and its exception's message is reported.
 - ``trainer.precision`` plus a ``Precision`` plugin: checked before anything is built.
-- a mode the machine cannot run (fp8 without Transformer Engine or on a CPU, bf16 on a pre-Ampere GPU):
+- a mode the machine cannot run (fp8 without its FP8 library or on a CPU, bf16 on a pre-Ampere GPU):
   checked with :func:`lightning_mp.modes.resolve_mode` once the Trainer knows its device, before any data
   or model is set up.
 
@@ -390,8 +390,8 @@ def precision_conflict(trainer_config: Namespace) -> Optional[str]:
 
 # ------------------------------------------------------------------------------------ the machine's turn
 def unrunnable_precision(trainer: Any) -> Optional[str]:
-    """Whether the Trainer's device can run an ``MPPlugin`` mode (fp8 without TE, bf16 on a pre-Ampere GPU),
-    asked before any data or model is set up; ``None`` when it can or the plugin is not an ``MPPlugin``."""
+    """Whether the Trainer's device can run an ``MPPlugin`` mode (fp8 without its FP8 library, bf16 on a pre-Ampere
+    GPU), asked before any data or model is set up; ``None`` when it can or the plugin is not an ``MPPlugin``."""
     plugin = trainer.precision_plugin
     requested = getattr(plugin, "requested_precision", None)
     if not isinstance(requested, str):
