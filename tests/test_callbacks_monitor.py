@@ -6,6 +6,7 @@ import math
 import multiprocessing
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -528,3 +529,27 @@ def test_fp8_layers_without_fp8_warns_and_logs_nothing(tmp_path):
 def test_fp8_layers_must_be_a_bool():
     with pytest.raises(ValueError, match=r"fp8_layers='yes' is invalid: use true or false"):
         PrecisionMonitor(fp8_layers="yes")
+
+
+@pytest.mark.parametrize("plugin, title", [
+    (lambda: MPPlugin("bf16"),
+     r"PrecisionMonitor: bf16, 1 skipped steps \(no loss scale: bf16 does not scale the loss\)"),
+    (lambda: MPPlugin("fp16"), r"PrecisionMonitor: fp16, \d+ skipped steps"),
+])
+def test_the_plot_is_titled_with_the_precision_in_every_mode(tmp_path, monkeypatch, plugin, title):
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    titles: list[str] = []
+    save = Figure.savefig
+
+    def record(self, *args, **kwargs):
+        titles.extend(ax.get_title() for ax in self.axes if ax.get_title())
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    path = tmp_path / "precision.png"
+    fit(tmp_path, plugin(), [PrecisionMonitor(log_every_n_steps=1, plot=str(path))],
+        model=TinyRegressor(poison_loss=(2,)))
+    assert len(titles) == 1 and re.fullmatch(title, titles[0]), titles
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

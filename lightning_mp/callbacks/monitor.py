@@ -335,7 +335,7 @@ class PrecisionMonitor(Callback):
             rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) drew nothing: {why}.")
             return
         try:
-            _draw(self.history, self.plot)
+            _draw(self.history, self.plot, _precision_name(trainer))
         except (ImportError, OSError) as err:
             rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) could not write the plot: {err}")
             return
@@ -725,8 +725,15 @@ def _nothing_to_draw(history: list[_HistoryEntry], every: int, trainer: Trainer)
     )
 
 
-def _draw(history: list[_HistoryEntry], path: str) -> None:
-    """Draw the loss scale and the skipped steps over the logging steps to a PNG file."""
+def _precision_name(trainer: Trainer) -> str:
+    """The run's precision as the plot's title names it: the mode in force (``MPPlugin``), or Lightning's string."""
+    mode = getattr(trainer.precision_plugin, "mode", None)
+    return str(mode.name) if mode is not None else str(getattr(trainer.precision_plugin, "precision", "?"))
+
+
+def _draw(history: list[_HistoryEntry], path: str, precision: str = "?") -> None:
+    """Draw the loss scale and the skipped steps over the logging steps to a PNG file, titled with the precision
+    (and, where the loss is not scaled, saying so: a run without skips is then one flat line at 0)."""
     from matplotlib.figure import Figure  # optional dependency, checked at construction
 
     steps = [h.step for h in history]
@@ -739,7 +746,8 @@ def _draw(history: list[_HistoryEntry], path: str) -> None:
         axes[0].step(steps, [s if s is not None else math.nan for s in scales], where="post")
         axes[0].set_yscale("log", base=2)
         axes[0].set_ylabel("loss scale")
-        axes[0].set_title("PrecisionMonitor")
+    title = f"PrecisionMonitor: {precision}, {skipped[-1] if skipped else 0} skipped steps"
+    axes[0].set_title(title if has_scale else f"{title} (no loss scale: {precision} does not scale the loss)")
     axes[-1].step(steps, skipped, where="post", color="tab:red")
     axes[-1].set_ylabel("skipped steps (total)")
     axes[-1].set_xlabel("optimizer step")
