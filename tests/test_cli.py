@@ -348,3 +348,17 @@ def test_short_errors_read_the_reports_of_older_jsonargparse():
     assert short_parse_error(OLD_COMMAND_LINE_LITERAL) == (
         "trainer.callbacks: lightning_mp.NonFiniteDetector(action='explode') is invalid: action takes one of"
         " 'raise', 'warn', 'skip'.")
+
+
+def test_fp8_backend_and_master_weights_from_yaml(tmp_path):
+    """A YAML picks the FP8 backend, its recipe and the master weights; the plugin built from it holds them (the
+    run itself stops before any data on this CPU, with the short message naming bf16)."""
+    args = plugin_yaml(tmp_path, precision="fp8", master_weights="kahan",
+                       fp8={"backend": "torchao", "recipe": "rowwise", "keep_last": 0})
+    with pytest.raises(CLIConfigError) as info:
+        strict_cli(args)
+    assert_short(info.value, "MPPlugin(precision='fp8') cannot run on cpu", "precision='bf16'")
+    bad = plugin_yaml(tmp_path, precision="fp8", fp8={"backend": "torchao", "recipe": "delayed"})
+    with pytest.raises(CLIConfigError) as info:
+        strict_cli(bad)
+    assert_short(info.value, "recipe='delayed' is a recipe of backend='transformer_engine'")
