@@ -181,3 +181,37 @@ def test_resume_is_bit_identical(tmp_path):
     trainer.fit(rest, ckpt_path=path)
     for (name, a), b in zip(whole.named_parameters(), rest.parameters()):
         assert torch.equal(a, b), name
+
+
+def test_fabric_trains_the_same_layout():
+    """MPFabricPrecision("fp8") (the same step under Lightning Fabric): bf16 weights, fp32 masters, the loss going
+    down, a poisoned step skipped with the weights unchanged, the module's FP8 layers released by teardown."""
+    from lightning.fabric import Fabric
+
+    from lightning_mp import MPFabricPrecision
+
+    plugin = MPFabricPrecision("fp8", fp8=AO)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model, optimizer = fabric.setup(model, optimizer)
+    batches = Net().batches
+    losses = []
+    for step in range(12):
+        tokens = batches[step % len(batches)]
+        logits = model(tokens[:, :-1])
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        if step == 6:
+            loss = loss * float("inf")
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 6:
+            assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+        else:
+            losses.append(loss.item())
+    assert plugin.stats.skipped_steps == 1 and isinstance(plugin.masters, FP32MasterWeights)
+    assert model.fc1.weight.dtype == torch.bfloat16
+    assert sum(losses[-3:]) < sum(losses[:3])
+    plugin.teardown()
