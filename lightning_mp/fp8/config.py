@@ -77,10 +77,14 @@ class FP8Config:
             init_args: {precision: fp8, fp8: {recipe: delayed, amax_history_len: 1024, keep_last: 1}}
 
     Args:
-        recipe: how FP8 scaling factors are chosen: ``"delayed"`` (``DelayedScaling``: per-tensor scales from
-            an amax history, the fastest on Hopper), ``"current"`` (``Float8CurrentScaling``: per-tensor scales
-            from the current tensor), ``"block"`` (``Float8BlockScaling``: 1x128/128x128 blocks, Hopper with
-            CUDA 12.9+) or ``"mxfp8"`` (``MXFP8BlockScaling``: 32-element blocks, Blackwell only).
+        backend: the FP8 library: ``"transformer_engine"`` (NVIDIA Transformer Engine; ``"te"``) or ``"torchao"``
+            (torchao's float8 training; ``"ao"``). See :mod:`lightning_mp.fp8.backend`.
+        recipe: how FP8 scaling factors are chosen; ``None``: the backend's default (``"delayed"``, ``"tensorwise"``:
+            chosen on three seeds' convergence). Transformer Engine: ``"delayed"`` (``DelayedScaling``: per-tensor
+            scales from an amax history, the fastest on Hopper), ``"current"`` (``Float8CurrentScaling``: per-tensor
+            scales from the current tensor), ``"block"`` (``Float8BlockScaling``: 1x128/128x128 blocks, Hopper with
+            CUDA 12.9+) or ``"mxfp8"`` (``MXFP8BlockScaling``: 32-element blocks, Blackwell only). torchao:
+            ``"tensorwise"`` (one dynamic scale a tensor) or ``"rowwise"`` (a scale a row).
         fp8_format: ``"HYBRID"`` (E4M3 forward, E5M2 gradients) or ``"E4M3"`` everywhere; ``None`` takes the
             recipe's default (HYBRID for delayed/current, E4M3 for block/mxfp8).
         margin: scaling-factor margin in powers of two (delayed, mxfp8); ``None``: 0.
@@ -96,10 +100,14 @@ class FP8Config:
             :func:`lightning_mp.fp8.filters.auto_size_rule`); ``"off"`` converts every eligible shape.
         min_features: with ``size_rule="auto"``, the smallest ``min(in_features, out_features)`` converted;
             ``None`` uses :data:`lightning_mp.fp8.filters.AUTO_MIN_FEATURES` (2048).
-        convert_layernorm: also swap ``nn.LayerNorm`` for ``te.LayerNorm`` (a fused kernel with bf16 output).
-        weights: ``"fp32"`` keeps fp32 master weights (TE modules with fp32 parameters under bf16 autocast;
-            the optimizer steps fp32); ``"bf16"`` stores the whole model in bf16, as Lightning's
-            ``precision="transformer-engine"`` does (less memory, no fp32 copy); ``"fp8"`` stores the FP8 layers'
+        convert_layernorm: also swap ``nn.LayerNorm`` for ``te.LayerNorm`` (a fused kernel with bf16 output);
+            ``None``: yes with Transformer Engine (torchao swaps linears only).
+        weights: the dtype the model's weights are kept in. ``"auto"`` (the default): bf16 weights with fp32 master
+            weights in the step (``MPPlugin``'s ``master_weights``: ``"fp32"`` by default, ``"none"`` for Lightning's
+            layout, or another kind), so activations are bf16; under FSDP/FSDP2 fp32 shards (they are the masters)
+            gathered for compute. ``"bf16"``: the same bf16 weights, named. ``"fp32"``: fp32 weights under bf16
+            autocast (the optimizer steps fp32; activations between layers fp32: slower, the layout before 0.2);
+            ``"fp8"`` stores the FP8 layers'
             weights in FP8 (Transformer Engine's ``quantized_model_init``): FSDP2 (``ModelParallelStrategy``)
             gathers them in FP8, half the bytes of a bf16 gather, and the fp32 master weights live in the
             optimizer, which must keep them (Transformer Engine's ``FusedAdam(master_weights=True)``; they start
