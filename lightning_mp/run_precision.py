@@ -14,7 +14,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mp.distributed import sharded_before_setup
 from lightning_mp.fp8.backend import FP8Backend, make_backend
-from lightning_mp.fp8.config import settle_weights
+from lightning_mp.fp8.config import BACKEND_TITLES, settle_weights
 from lightning_mp.modes import (
     AUTO,
     MODES,
@@ -142,8 +142,9 @@ class RunPrecision:
             if not fp8.is_converted(module):
                 raise MisconfigurationException(
                     "MPPlugin(precision='fp8'): the model's parameters were sharded (FSDP2's fully_shard, or FSDP"
-                    f" units wrapped in configure_model) before this plugin could swap its linear layers for"
-                    f" {fp8.name}'s FP8 layers. Call lightning_mp.prepare_fp8(self) at the top of configure_model,"
+                    " units wrapped in configure_model) before this plugin could swap its linear layers for"
+                    f" {BACKEND_TITLES.get(fp8.name, fp8.name)}'s FP8 layers. Call lightning_mp.prepare_fp8(self) at"
+                    " the top of configure_model,"
                     " before fully_shard or the wrapping (it swaps them with this plugin's fp8 settings and does"
                     " nothing under other precisions), or build the model from FP8 layers."
                 )
