@@ -190,7 +190,7 @@ class PrecisionMonitor(Callback):
             norm; not the per-layer ones) on the progress bar.
         fp8_layers: with ``MPPlugin("fp8")``, also log each FP8 layer's scaling as its backend keeps it (on
             logging steps): ``precision/fp8_<figure>/<layer>`` for the figures of
-            :meth:`lightning_mp.fp8.backend.FP8Backend.layer_stats` — with delayed scaling: the scale
+            the FP8 backend's ``layer_stats()`` — with delayed scaling: the scale
             and latest amax of the input, weight and output gradient and their headroom (the FP8 maximum over the
             scaled amax: below 1, that tensor's largest values were clipped); torchao: the last amaxes read by the
             saturation watch. One host read per logging step.

@@ -129,8 +129,8 @@ class FP8Config:
     margin: Optional[int] = None
     amax_history_len: Optional[int] = None
     amax_compute_algo: Optional[Literal["max", "most_recent"]] = None
-    include: Union[list[str], tuple[str, ...]] = ("*",)
-    exclude: Union[list[str], tuple[str, ...]] = ()
+    include: tuple[str, ...] = ("*",)
+    exclude: tuple[str, ...] = ()
     keep_first: int = 0
     keep_last: int = 1
     size_rule: Literal["auto", "off"] = "auto"
