@@ -2,8 +2,9 @@
 gradient accumulation through ``fabric.no_backward_sync``, ``fabric.clip_gradients``, its learning-rate schedule,
 validation) on tiny LitGPT models, on the CPU.
 
-Skipped where litgpt is not installed. It installs beside this package (``pip install litgpt``; the ``cli`` extra's jsonargparse >= 4.39 meets its
-<= 4.41 pin); ``make setup`` installs it without its dependencies, as ``.venv`` keeps the newest jsonargparse.
+Skipped where litgpt is not installed. It installs beside this package (``pip install litgpt``; the ``cli``
+extra's jsonargparse >= 4.39 meets its <= 4.41 pin); ``make setup`` installs it without its dependencies, as
+``.venv`` keeps the newest jsonargparse.
 """
 
 from __future__ import annotations
