@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # what the names are, for type checkers and documentation too
         cast_module_,
         stochastic_round,
     )
-    from lightning_mp.modes import PrecisionMode, parse_precision, resolve_mode
+    from lightning_mp.modes import PerformanceWarning, PrecisionMode, parse_precision, resolve_mode
     from lightning_mp.nonfinite import NonfiniteGuard
     from lightning_mp.plugin import MPPlugin
     from lightning_mp.prepare import prepare_fp8
@@ -71,6 +71,7 @@ __all__ = [
     "MPPlugin",
     "MPFabricPrecision",
     "NonFiniteTrainingError",
+    "PerformanceWarning",
     "PrecisionMode",
     "StepStats",
     "parse_precision",
@@ -97,6 +98,7 @@ _SOURCES = {
          "cast_module_", "stochastic_round"],
         "lightning_mp.master",
     ),
+    "PerformanceWarning": "lightning_mp.modes",
     "PrecisionMode": "lightning_mp.modes",
     "parse_precision": "lightning_mp.modes",
     "resolve_mode": "lightning_mp.modes",
