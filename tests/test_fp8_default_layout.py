@@ -215,3 +215,45 @@ def test_fabric_trains_the_same_layout():
     assert model.fc1.weight.dtype == torch.bfloat16
     assert sum(losses[-3:]) < sum(losses[:3])
     plugin.teardown()
+
+
+def test_a_checkpoint_of_the_fp32_layout_resumes_with_its_fp32_weights_as_the_masters(tmp_path):
+    """A run saved with fp8={"weights": "fp32"} (the layout before 0.2) resumed with the default: the masters take
+    the checkpoint's fp32 weights exactly (not their bf16 rounding), and the model's weights are their rounding."""
+    _, trainer = fit(MPPlugin("fp8", fp8={**AO, "weights": "fp32"}), steps=3)
+    path = str(tmp_path / "fp32-layout.ckpt")
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    assert saved["fc1.weight"].dtype == torch.float32
+    plugin = MPPlugin("fp8", fp8=AO)
+    seed_everything(0)
+    model = Net()
+    trainer = Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, ckpt_path=path)  # (max_steps reached: restores, steps nothing)
+    assert model.fc1.weight.dtype == torch.bfloat16
+    assert torch.equal(plugin.masters.master_of(model.fc1.weight), saved["fc1.weight"])
+    assert torch.equal(model.fc1.weight, saved["fc1.weight"].to(torch.bfloat16))
+
+
+def test_validate_and_predict_after_fit_keep_the_layout_and_the_masters():
+    class WithEval(Net):
+        def validation_step(self, batch, batch_idx):
+            tokens = self.batches[batch_idx % len(self.batches)]
+            logits = self(tokens[:, :-1])
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            self.log("val_loss", loss)
+
+        def val_dataloader(self):
+            return self.train_dataloader()
+
+    plugin = MPPlugin("fp8", fp8=AO)
+    model, trainer = fit(plugin, steps=4, model=WithEval(), limit_val_batches=2, num_sanity_val_steps=0)
+    masters = {n: plugin.masters.master_of(p).clone() for n, p in model.named_parameters()
+               if plugin.masters.master_of(p) is not None}
+    (result,) = trainer.validate(model, verbose=False)
+    assert torch.isfinite(torch.tensor(result["val_loss"]))
+    assert model.fc1.weight.dtype == torch.bfloat16 and plugin.stats.steps == 4
+    for name, param in model.named_parameters():
+        if name in masters:
+            assert torch.equal(plugin.masters.master_of(param), masters[name]), name
