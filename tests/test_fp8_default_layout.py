@@ -17,7 +17,7 @@ from lightning_mp.master import FP32MasterWeights
 
 try:
     import torchao.float8  # noqa: F401
-except ImportError as err:  # not installed, or built for a newer torch (0.18 needs torch >= 2.10)
+except Exception as err:  # not installed, or built for another torch (0.18 needs torch >= 2.10)
     pytest.skip(f"torchao's float8 cannot be imported here: {err}", allow_module_level=True)
 
 AO = {"backend": "torchao", "size_rule": "off", "keep_last": 0}

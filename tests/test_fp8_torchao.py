@@ -33,7 +33,7 @@ from lightning_mp.fp8.torchao_backend import (
 
 try:
     import torchao.float8  # noqa: F401
-except ImportError as err:  # not installed, or built for a newer torch (0.18 needs torch >= 2.10)
+except Exception as err:  # not installed, or built for another torch (0.18 needs torch >= 2.10)
     pytest.skip(f"torchao's float8 cannot be imported here: {err} (pip install 'torchao>=0.18')",
                 allow_module_level=True)
 
