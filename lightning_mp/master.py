@@ -1354,20 +1354,10 @@ class FP32MasterWeights(MasterWeights):
         self.load_fp32_values(saved)
 
     def load_fp32_values(self, values: dict[str, Tensor]) -> int:
-        taken = 0
-        with torch.no_grad():
-            for name, entry in self._entry_by_name().items():
-                value = values.get(name)
-                if value is None:
-                    continue
-                value = value.to(cast(Tensor, entry.held).device, torch.float32)
-                if bool(value.to(entry.param.dtype).eq(entry.param.detach()).all()):
-                    cast(Tensor, entry.held).copy_(value)
-                    taken += 1
-                else:
-                    cast(Tensor, entry.held).copy_(entry.param.detach())  # the weight is the truth
-                entry.stamp = stamp(entry.param)
-        return taken
+        def take(held: Tensor, param: Tensor, value: Optional[Tensor]) -> None:
+            held.copy_(value if value is not None else param.detach())  # (None: the weight is the truth)
+
+        return _take_fp32_values(self._entry_by_name(), values, take)
 
 
 class KahanCompensation(MasterWeights):
@@ -1433,20 +1423,31 @@ class KahanCompensation(MasterWeights):
                     entry.stamp = stamp(entry.param)
 
     def load_fp32_values(self, values: dict[str, Tensor]) -> int:
-        taken = 0
-        with torch.no_grad():
-            for name, entry in self._entry_by_name().items():
-                value = values.get(name)
-                if value is None:
-                    continue
-                value = value.to(entry.param.device, torch.float32)
-                if bool(value.to(entry.param.dtype).eq(entry.param.detach()).all()):
-                    cast(Tensor, entry.held).copy_(value - entry.param.float())
-                    taken += 1
-                else:
-                    cast(Tensor, entry.held).zero_()
-                entry.stamp = stamp(entry.param)
-        return taken
+        def take(held: Tensor, param: Tensor, value: Optional[Tensor]) -> None:
+            held.copy_(value - param.float()) if value is not None else held.zero_()  # (the compensation)
+
+        return _take_fp32_values(self._entry_by_name(), values, take)
+
+
+def _take_fp32_values(
+    entries: dict[str, _Entry], values: dict[str, Tensor], take: Callable[[Tensor, Tensor, Optional[Tensor]], None]
+) -> int:
+    """:meth:`MasterWeights.load_fp32_values` for the kinds that hold a tensor a parameter: each named value that
+    rounds to its weight is handed to ``take(held, param, value)``, the others as ``None`` (the weight stays the
+    truth); returns how many were taken."""
+    taken = 0
+    with torch.no_grad():
+        for name, entry in entries.items():
+            value = values.get(name)
+            if value is None:
+                continue
+            held = cast(Tensor, entry.held)
+            value = value.to(held.device, torch.float32)
+            fits = bool(value.to(entry.param.dtype).eq(entry.param.detach()).all())
+            take(held, entry.param, value if fits else None)
+            taken += fits
+            entry.stamp = stamp(entry.param)
+    return taken
 
 
 def _fingerprint(param: Tensor) -> Tensor:
