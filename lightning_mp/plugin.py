@@ -162,12 +162,13 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
             self._patches.add(f"fp32 state loading of {len(raw)} optimizers", lambda: release_fp32_state_loading(raw))
         self._steps = OptimizerSteps(
             self._run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
-            saturation=self._fp8.sentinel.take if self._fp8 is not None and mode.fp8 else None,
+            saturation=fp8.sentinel.take if fp8 is not None else None,
             spike=self._spike, release_grads=self.release_grads_after_step and module is not None
             and not is_overridden("optimizer_zero_grad", module, LightningModule),
         )  # fmt: skip
         self._steps.connect(module, raw)
         self.stats.set_namer(self._weights.namer(module or model))
+        self.stats.set_fp8_layers(fp8.layer_stats if fp8 is not None else None)
         if self.hold_schedulers_on_skip and self._run.scaler is not None:
             if self._hold.install(module, lr_schedulers, skipped_for=self._steps.skipped_for):
                 self._patches.add(f"lr_scheduler_step on {type(module).__name__}", self._hold.remove)

@@ -322,6 +322,7 @@ class StepStats:
         self._grad_norm: Optional[Tensor] = None
         self.per_optimizer: list[OptimizerStats] = []
         self._namer: Optional[Callable[[Tensor], Optional[str]]] = None
+        self._fp8_layers: Optional[Callable[[], dict[str, dict[str, float]]]] = None
 
     def optimizer(self, index: int) -> OptimizerStats:
         """The counters of the run's ``index``-th optimizer (made at its first use, kept from one entry point to the
@@ -340,6 +341,14 @@ class StepStats:
 
     def set_namer(self, namer: Optional[Callable[[Tensor], Optional[str]]]) -> None:
         self._namer = namer
+
+    def set_fp8_layers(self, read: Optional[Callable[[], dict[str, dict[str, float]]]]) -> None:
+        self._fp8_layers = read
+
+    def fp8_layers(self) -> dict[str, dict[str, float]]:
+        """Per FP8 layer of an ``MPPlugin("fp8")`` run, the scaling its backend keeps (``FP8Backend.layer_stats``:
+        scale, amax, headroom); ``{}`` in other modes. One host read."""
+        return self._fp8_layers() if self._fp8_layers is not None else {}
 
     def record_grad_norm(self, norm: Tensor) -> None:
         """Keep the (unscaled) gradient norm computed by clipping; stays on the device."""

@@ -188,12 +188,8 @@ class PrecisionMonitor(Callback):
             logging step ran) or the file cannot be written, a warning says why.
         prog_bar: also show the scalar figures (loss scale, skipped steps, skip rate, consecutive skips, gradient
             norm; not the per-layer ones) on the progress bar.
-        fp8_layers: with ``MPPlugin("fp8")``, also log each FP8 layer's scaling as its backend keeps it (on
-            logging steps): ``precision/fp8_<figure>/<layer>`` for the figures of
-            the FP8 backend's ``layer_stats()`` — with delayed scaling: the scale
-            and latest amax of the input, weight and output gradient and their headroom (the FP8 maximum over the
-            scaled amax: below 1, that tensor's largest values were clipped); torchao: the last amaxes read by the
-            saturation watch. One host read per logging step.
+        fp8_layers: with ``MPPlugin("fp8")``, also log each FP8 layer's scaling as ``precision/fp8_<figure>/<layer>``
+            (the backend's ``layer_stats()``: scale, amax, headroom; logging steps only, one host read).
     """
 
     #: it reads gradients and never writes them: MPPlugin's verdict need not look again after this hook
@@ -301,12 +297,8 @@ class PrecisionMonitor(Callback):
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]
         self._every = self.log_every_n_steps if self.log_every_n_steps is not None else every
         self._names, self._modules = [], []
-        if self.fp8_layers and _fp8_backend(trainer) is None:
-            rank_zero_warn(
-                "PrecisionMonitor(fp8_layers=True): the run has no FP8 layers to report (it needs"
-                f" MPPlugin('fp8'); the precision plugin is {type(plugin).__name__}"
-                + (f" in {mode.name!r}" if (mode := getattr(plugin, "mode", None)) is not None else "") + ")."
-            )
+        if self.fp8_layers and not _runs_fp8(plugin):  # (warned once a fit)
+            rank_zero_warn(_NO_FP8_LAYERS.format(type(plugin).__name__ + _in_mode(plugin)))
         if self.layer_stats:
             self._names, self._modules = _choose_layers(pl_module, self._layer_pattern)
             if not self._names:
@@ -417,8 +409,7 @@ class PrecisionMonitor(Callback):
         self._grad.clear()
         figures = _scalar_figures(scalars, counts, grad_norm is not None)
         figures.update(_layer_figures(self._names, maxima, sums, self._grad_scale_used))
-        if self.fp8_layers:
-            figures.update(_fp8_figures(trainer))
+        figures.update(_fp8_figures(stats) if self.fp8_layers and stats is not None else {})
         self.last = figures
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning logs this step's metrics
         self.history.append(
@@ -947,21 +938,26 @@ class _RankAgreement(Metric):
         return self.maxima, self.sums
 
 
-def _fp8_backend(trainer: Trainer) -> Any:
-    """The run's FP8 backend (``MPPlugin("fp8")``), or ``None``."""
-    plugin = trainer.precision_plugin
+def _runs_fp8(plugin: Any) -> bool:
     mode = getattr(plugin, "mode", None)
-    run = getattr(plugin, "_run", None)
-    return getattr(run, "fp8", None) if mode is not None and mode.fp8 else None
+    return mode is not None and bool(getattr(mode, "fp8", False))
 
 
-def _fp8_figures(trainer: Trainer) -> dict[str, float]:
-    """Each FP8 layer's scaling figures (:meth:`FP8Backend.layer_stats`), as ``precision/fp8_<figure>/<layer>``."""
-    backend = _fp8_backend(trainer)
-    if backend is None:
-        return {}
+def _fp8_figures(stats: StepStats) -> dict[str, float]:
+    """Each FP8 layer's scaling figures (:meth:`StepStats.fp8_layers`), as ``precision/fp8_<figure>/<layer>``."""
     return {
         f"precision/fp8_{figure}/{layer}": float(value)
-        for layer, figures in backend.layer_stats().items()
+        for layer, figures in stats.fp8_layers().items()
         for figure, value in figures.items()
     }
+
+
+_NO_FP8_LAYERS = (
+    "PrecisionMonitor(fp8_layers=True): the run has no FP8 layers to report (it needs MPPlugin('fp8'); the precision"
+    " plugin is {})."
+)
+
+
+def _in_mode(plugin: Any) -> str:
+    mode = getattr(plugin, "mode", None)
+    return f" in {mode.name!r}" if mode is not None else ""

@@ -208,15 +208,7 @@ def convert_to_te(
         recipe = build_recipe(config)
     fp8_recipe = recipe if weights == "fp8" else None
 
-    # every path of every module: a module held twice is replaced at both places by one new module
-    paths: dict[int, list[str]] = {}
-    objects: dict[int, nn.Module] = {}
-    for name, sub in module.named_modules(remove_duplicate=False):
-        if name:
-            paths.setdefault(id(sub), []).append(name)
-            objects[id(sub)] = sub
-    for key, names in paths.items():
-        sub = objects[key]
+    for sub, names in submodules_at_paths(module):
         if type(sub).__module__.startswith("transformer_engine"):
             report.already_te += 1
             continue
@@ -229,13 +221,29 @@ def convert_to_te(
         if reason is not None:
             report.skipped.append(ModuleRecord(fqn, kind, shape, reason))
             continue
-        new = _make_te_module(te, sub, dtype, device, fp8_recipe)
-        for name in names:
-            parent_name, _, child = name.rpartition(".")
-            setattr(module.get_submodule(parent_name), child, new)
+        replace_at(module, names, _make_te_module(te, sub, dtype, device, fp8_recipe))
         report.converted.append(ModuleRecord(fqn, kind, shape))
     report.log(announce=announce)
     return report
+
+
+def submodules_at_paths(module: nn.Module) -> list[tuple[nn.Module, list[str]]]:
+    """Every submodule of ``module`` (not itself) once, with every path it is held at: a layer held twice is then
+    swapped for one new layer at both places (:func:`replace_at`)."""
+    paths: dict[int, list[str]] = {}
+    objects: dict[int, nn.Module] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        if name:
+            paths.setdefault(id(sub), []).append(name)
+            objects[id(sub)] = sub
+    return [(objects[key], names) for key, names in paths.items()]
+
+
+def replace_at(module: nn.Module, names: list[str], new: nn.Module) -> None:
+    """Put ``new`` at each of ``names`` (paths in ``module``)."""
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent_name), child, new)
 
 
 def _target_device(old: nn.Module, device: Optional[torch.device]) -> torch.device:

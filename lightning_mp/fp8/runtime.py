@@ -236,19 +236,16 @@ _LAYER_TENSORS = (("scaling_fwd", 0, "input"), ("scaling_fwd", 1, "weight"), ("s
 _FP8_MAX = {"input": 448.0, "weight": 448.0, "grad": 57344.0}  # E4M3 forward, E5M2 gradients (HYBRID)
 
 
-def _delayed_layer_stats(meta: dict[str, Any]) -> dict[str, float]:
+def _delayed_layer_tensors(meta: dict[str, Any]) -> list[tuple[str, float, Tensor, Tensor]]:
+    """A layer's ``(tensor name, its format's maximum, scale, latest amax)`` from TE's delayed-scaling meta (device
+    scalars, not read here)."""
     recipe = meta.get("recipe")
     e4m3 = "E4M3" in str(getattr(recipe, "fp8_format", "")) and "HYBRID" not in str(getattr(recipe, "fp8_format", ""))
-    stats: dict[str, float] = {}
-    for key, index, name in _LAYER_TENSORS:
-        if key not in meta:
-            continue
-        scale = float(meta[key].scale[index])
-        amax = float(meta[key].amax_history[0, index])
-        top = 448.0 if e4m3 else _FP8_MAX[name]
-        stats[f"{name}_scale"], stats[f"{name}_amax"] = scale, amax
-        stats[f"{name}_headroom"] = top / (amax * scale) if amax * scale > 0 else float("inf")
-    return stats
+    return [
+        (name, 448.0 if e4m3 else _FP8_MAX[name], meta[key].scale[index], meta[key].amax_history[0, index])
+        for key, index, name in _LAYER_TENSORS
+        if key in meta
+    ]
 
 
 def fit_amax_history(history: Tensor, length: int) -> Tensor:
@@ -561,12 +558,21 @@ class FP8Training:
         mxfp8 scale each tensor from itself: nothing saturates by construction). One host read per call."""
         if self._model is None:
             return {}
-        out: dict[str, dict[str, float]] = {}
+        # (what to read, as (layer, tensor name, its format's maximum, scale, amax) device scalars: one host copy)
+        wanted: list[tuple[str, str, float, Tensor, Tensor]] = []
         for fqn, module in named_modules_unwrapped(self._model).items():
             meta = getattr(module, "fp8_meta", None)
             if not isinstance(meta, dict) or "scaling_fwd" not in meta or not _is_delayed(meta.get("recipe")):
                 continue
-            out[fqn] = _delayed_layer_stats(meta)
+            wanted += [(fqn, *entry) for entry in _delayed_layer_tensors(meta)]
+        if not wanted:
+            return {}
+        values = torch.stack([torch.stack([scale.float(), amax.float()]) for *_, scale, amax in wanted]).tolist()
+        out: dict[str, dict[str, float]] = {}
+        for (fqn, name, top, _, _), (scale, amax) in zip(wanted, values):
+            stats = out.setdefault(fqn, {})
+            stats[f"{name}_scale"], stats[f"{name}_amax"] = scale, amax
+            stats[f"{name}_headroom"] = top / (amax * scale) if amax * scale > 0 else float("inf")
         return out
 
     def configure_weight_cache(self, *, accumulate_grad_batches: int = 1, automatic_optimization: bool = True) -> bool:

@@ -82,7 +82,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_mp.fp8.config import FP8Config
-from lightning_mp.fp8.convert import ConversionReport, ModuleRecord, apply_weights_dtype
+from lightning_mp.fp8.convert import (
+    ConversionReport,
+    ModuleRecord,
+    apply_weights_dtype,
+    replace_at,
+    submodules_at_paths,
+)
 from lightning_mp.fp8.filters import ModuleFilter, ModuleFilterFn
 from lightning_mp.fp8.support import FP8_MIN_CAPABILITY, FP8UnavailableError, device_problem
 
@@ -329,14 +335,7 @@ def convert_to_torchao(
     float8 = import_float8()
     keep = ModuleFilter(module, config, module_filter_fn)
     report = TorchAOConversionReport(weights=weights, recipe=str(config.recipe), compiled=compiled)
-    paths: dict[int, list[str]] = {}  # every path of every module: one held twice gets one Float8Linear at both
-    objects: dict[int, nn.Module] = {}
-    for name, sub in module.named_modules(remove_duplicate=False):
-        if name:
-            paths.setdefault(id(sub), []).append(name)
-            objects[id(sub)] = sub
-    for key, names in paths.items():
-        sub = objects[key]
+    for sub, names in submodules_at_paths(module):  # (a layer held twice: one Float8Linear at both places)
         if is_float8_linear(sub):
             report.already_te += 1
             continue
@@ -349,9 +348,7 @@ def convert_to_torchao(
             continue
         new = float8.convert_to_float8_training(sub, config=linear_config)  # a root nn.Linear: returns its swap
         new.train(sub.training)
-        for name in names:
-            parent_name, _, child = name.rpartition(".")
-            setattr(module.get_submodule(parent_name), child, new)
+        replace_at(module, names, new)
         report.converted.append(ModuleRecord(fqn, "Linear", shape))
     report.log(log, announce=announce)
     return report

@@ -662,10 +662,7 @@ def _fit(p, scheduler, schedule, device_type, seed, initial_state, trainer_kwarg
             stats = plugin.stats.as_dict()
             result.skipped_steps, result.loss_scale, result.steps = (
                 stats["skipped_steps"], stats["loss_scale"], stats["steps"])
-            mode = getattr(plugin, "mode", None)
-            fp8 = getattr(getattr(plugin, "_run", None), "fp8", None) if mode is not None and mode.fp8 else None
-            if fp8 is not None:
-                result.fp8_headroom, result.fp8_layer = tightest_fp8_layer(fp8.layer_stats())
+            result.fp8_headroom, result.fp8_layer = tightest_fp8_layer(plugin.stats.fp8_layers())
         else:
             result.steps = trainer.global_step
             scaler = getattr(trainer.precision_plugin, "scaler", None)
