@@ -41,36 +41,7 @@ AO = {"backend": "torchao"}
 OFF = {"size_rule": "off"}  # toy layers are far below the auto size threshold
 
 
-class Block(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(hidden)
-        self.fc1 = nn.Linear(hidden, 4 * hidden)
-        self.fc2 = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x):
-        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
-
-
-class ToyLM(nn.Module):
-    """embedding -> stem -> 2 blocks -> odd-shaped adapter -> final norm -> head."""
-
-    def __init__(self, vocab: int = 64, hidden: int = 32) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, hidden)
-        self.stem = nn.Linear(hidden, hidden)
-        self.blocks = nn.ModuleList(Block(hidden) for _ in range(2))
-        self.adapter = nn.Linear(hidden, 24)
-        self.back = nn.Linear(24, hidden)
-        self.ln_f = nn.LayerNorm(hidden)
-        self.head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, tokens):
-        h = self.stem(self.emb(tokens))
-        for block in self.blocks:
-            h = block(h)
-        h = h + self.back(F.relu(self.adapter(h)))
-        return self.head(self.ln_f(h))
+from test_fp8 import ToyLM  # noqa: E402 - (the same toy model as the Transformer Engine tests)
 
 
 def toy(seed: int = 0) -> ToyLM:
