@@ -17,13 +17,13 @@ import difflib
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-RecipeName = Literal["delayed", "current", "block", "mxfp8", "tensorwise", "rowwise"]
+RecipeName = Literal["delayed", "current", "block", "mxfp8", "tensorwise", "rowwise", "rowwise_with_gw_hp"]
 BackendName = Literal["transformer_engine", "torchao"]
 
 #: backend -> its recipes, the first its default (``recipe`` left unset)
 BACKEND_RECIPES: dict[str, tuple[str, ...]] = {
     "transformer_engine": ("delayed", "current", "block", "mxfp8"),
-    "torchao": ("tensorwise", "rowwise"),
+    "torchao": ("tensorwise", "rowwise", "rowwise_with_gw_hp"),
 }
 #: the backends' names in messages
 BACKEND_TITLES: dict[str, str] = {"transformer_engine": "Transformer Engine", "torchao": "torchao"}
@@ -43,7 +43,7 @@ RECIPE_CLASSES: dict[str, str] = {
 #: the format each recipe uses when ``fp8_format`` is left unset (Transformer Engine's own defaults)
 DEFAULT_FORMATS: dict[str, str] = {
     "delayed": "HYBRID", "current": "HYBRID", "block": "E4M3", "mxfp8": "E4M3",
-    "tensorwise": "HYBRID", "rowwise": "E4M3",  # (torchao's: tensorwise casts output gradients to E5M2)
+    "tensorwise": "HYBRID", "rowwise": "E4M3", "rowwise_with_gw_hp": "E4M3",  # (torchao's: tensorwise casts output gradients to E5M2)
 }  # fmt: skip
 FORMATS = ("HYBRID", "E4M3")
 #: recipe-specific fields and the recipes they apply to
