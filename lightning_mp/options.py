@@ -98,7 +98,8 @@ def summary(plugin: Any) -> str:
 
 def _fp8_weights(plugin: Any) -> str:
     fp8 = getattr(getattr(plugin, "_run", None), "fp8", None)
-    return str(getattr(fp8, "weights", None) or plugin.fp8_config.weights)
+    weights = str(getattr(fp8, "weights", None) or plugin.fp8_config.weights)
+    return "FP8 layers' fp32 and the other bf16" if weights == "mixed" else weights
 
 
 def _weights_clauses(plugin: Any, mode: Any) -> list[str]:

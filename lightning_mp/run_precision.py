@@ -29,7 +29,7 @@ from lightning_mp.patches import Patches
 from lightning_mp.nonfinite import NonfiniteGuard, StepGuard
 from lightning_mp.scaling import DynamicLossScaler, ShardedDynamicLossScaler, adopt_scaler
 from lightning_mp.settings import LossScaleSettings, MPSettings
-from lightning_mp.true_half import MasterWeightsSetup, cast_half_weights_
+from lightning_mp.true_half import HALF_FP8_LAYOUTS, MasterWeightsSetup, cast_half_weights_, fp8_layer_names
 
 
 class RunPrecision:
@@ -134,7 +134,7 @@ class RunPrecision:
             return
         sharded = sharded or self.sharded or sharded_before_setup(module)
         if fp8.model is None:  # (a part converted in configure_model settled it then)
-            fp8.weights = settle_weights(fp8.config, sharded=sharded)
+            fp8.weights = settle_weights(fp8.config, sharded=sharded, master_weights=self.weights.asked)
             self.weights.fp8_weights = fp8.weights
         if fp8.model is not None and any(m is fp8.model for m in module.modules()):
             fp8.adopt(module, device)  # a part converted in configure_model: state names are the whole module's
@@ -152,8 +152,9 @@ class RunPrecision:
             return
         else:
             fp8.convert(module, device=device, announce=rank_zero_info, cast_weights=False)
-        if fp8.weights == "bf16":  # (after the swap: the exact fp32 values stay known for the master weights)
-            cast_half_weights_(module, torch.bfloat16)
+        if fp8.weights in HALF_FP8_LAYOUTS:  # (after the swap: the exact fp32 values stay known for the masters)
+            keep = fp8_layer_names(module, fp8.is_converted) if fp8.weights == "mixed" else ()
+            cast_half_weights_(module, torch.bfloat16, keep_fp32=keep)
 
     def connect_fp8(self, module: Any, device: torch.device, *, watch: bool, optimizers: list) -> None:
         if self.fp8 is None or not self.active.fp8:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -43,11 +43,25 @@ def _nothing() -> None:
     pass
 
 
-def cast_half_weights_(module: nn.Module, dtype: torch.dtype) -> int:
-    """The weights outside the FP32 guards installed on ``module`` become ``dtype`` (in place, the fp32 values kept
-    for master weights made later, as :func:`cast_weights_` in true-half modes); returns how many tensors."""
+#: the settled ``fp8={"weights": ...}`` layouts that keep half-precision weights (and so get master weights)
+HALF_FP8_LAYOUTS = ("bf16", "mixed")
+
+
+def cast_half_weights_(module: nn.Module, dtype: torch.dtype, keep_fp32: Iterable[str] = ()) -> int:
+    """The weights outside the FP32 guards installed on ``module`` and outside the submodules ``keep_fp32`` names
+    become ``dtype`` (in place, the fp32 values kept for master weights made later, as :func:`cast_weights_` in
+    true-half modes); returns how many tensors."""
     guarded = [name for name, sub in module.named_modules() if name and fp32_guard_of(sub) is not None]
-    return cast_module_(module, dtype, keep_fp32=guarded)
+    return cast_module_(module, dtype, keep_fp32=[*guarded, *keep_fp32])
+
+
+def fp8_layer_names(module: nn.Module, holds_fp8: Callable[[nn.Module], bool]) -> list[str]:
+    """The names of ``module``'s FP8 layers: the submodules that hold FP8 GEMMs (``holds_fp8``, the backend's
+    ``is_converted``) while none of their children does."""
+    return [
+        name for name, sub in module.named_modules()
+        if name and holds_fp8(sub) and not any(holds_fp8(child) for child in sub.children())
+    ]
 
 
 class MasterWeightsSetup:
@@ -63,7 +77,7 @@ class MasterWeightsSetup:
 
     def half_weights(self, mode: Optional[PrecisionMode]) -> bool:
         """Whether ``mode`` trains half-precision weights (true-half modes; fp8 with bf16 weights)."""
-        return mode is not None and (mode.true_half or (mode.fp8 and self.fp8_weights == "bf16"))
+        return mode is not None and (mode.true_half or (mode.fp8 and self.fp8_weights in HALF_FP8_LAYOUTS))
 
     def kind(self, mode: Optional[PrecisionMode]) -> Optional[str]:
         if not self.half_weights(mode):

@@ -1,5 +1,6 @@
-"""MPPlugin("fp8")'s default layout through the real Trainer on the CPU: bf16 weights in the model, fp32 master
-weights in the step (``fp8={"weights": "auto"}``), with torchao's float8 as the backend — torch runs its FP8 matmuls
+"""MPPlugin("fp8")'s default layout through the real Trainer on the CPU (``fp8={"weights": "auto"}``): the FP8
+layers keep fp32 weights, which the optimizer steps (their own masters), every other weight is bf16 with an fp32
+master in the step, and activations are bf16; with torchao's float8 as the backend — torch runs its FP8 matmuls
 on the CPU, so only the GPU checks stand aside. The same layout with Transformer Engine runs on the GPU
 (``tests/gpu/test_fp8_default_gpu.py``)."""
 
@@ -77,24 +78,55 @@ def fit(plugin, steps=6, model=None, **kwargs):
     return model, trainer
 
 
-def test_the_default_trains_bf16_weights_with_fp32_masters_that_start_exact():
+FP8_LAYERS = ("fc1", "fc2", "head")
+
+
+class _Dtypes(Callback):
+    """The dtypes of the embedding's and each FP8 layer's outputs in the training forwards."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, set] = {}
+
+    def on_train_start(self, trainer, pl_module):
+        for name in ("emb", *FP8_LAYERS):
+            pl_module.get_submodule(name).register_forward_hook(
+                lambda mod, args, out, name=name: self.seen.setdefault(name, set()).add(out.dtype)
+            )
+
+
+def test_the_default_keeps_fp8_layers_fp32_and_the_rest_bf16_with_exact_fp32_masters():
     model = Net()
     fp32 = {name: p.detach().clone() for name, p in model.named_parameters()}
-    plugin = MPPlugin("fp8", fp8=AO)
-    fit(plugin, steps=0, model=model)  # (set-up only: the masters start from the exact fp32 weights)
-    model, trainer = fit(plugin := MPPlugin("fp8", fp8=AO), steps=1, model=Net())
+    dtypes = _Dtypes()
+    model, trainer = fit(plugin := MPPlugin("fp8", fp8=AO), steps=0, model=model)  # set-up only
+    for name in FP8_LAYERS:  # the FP8 layers quantize from their exact fp32 weights
+        for pname in ("weight", "bias"):
+            param = model.get_submodule(name).get_parameter(pname)
+            assert param.dtype == torch.float32 and torch.equal(param, fp32[f"{name}.{pname}"])
+    assert model.emb.weight.dtype == torch.bfloat16
+    assert torch.equal(plugin.masters.master_of(model.emb.weight), fp32["emb.weight"])  # exact, not its rounding
+    model, trainer = fit(plugin := MPPlugin("fp8", fp8=AO), steps=2, model=Net(), callbacks=[dtypes])
     assert plugin.master_weights == "fp32" and isinstance(plugin.masters, FP32MasterWeights)
-    assert model.fc1.weight.dtype == torch.bfloat16 and model.emb.weight.dtype == torch.bfloat16
+    assert all(model.get_submodule(n).weight.dtype == torch.float32 for n in FP8_LAYERS)
+    assert model.emb.weight.dtype == torch.bfloat16
     assert model.norm.weight.dtype == torch.float32  # an FP32 guard keeps its weights fp32
-    assert "bf16 weights, fp32 master weights" in repr(plugin) or plugin.master_weights == "fp32"
-    start = Net()  # the same seed: what the masters start from, before the first step moved them
+    assert dtypes.seen == {name: {torch.bfloat16} for name in ("emb", *FP8_LAYERS)}  # the activations are bf16
+    from lightning_mp.options import summary
+
+    assert "FP8 layers' fp32 and the other bf16 weights, fp32 master weights" in summary(plugin)
+    start = Net()  # the same seed: the values before the steps
+    masters = 0
     for name, param in model.named_parameters():
+        master = plugin.masters.master_of(param)
         if param.dtype == torch.bfloat16:
-            master = plugin.masters.master_of(param)
             assert master is not None and master.dtype == torch.float32, name
             assert torch.equal(master.to(torch.bfloat16), param.detach()), name  # the weight is its rounding
             assert not torch.equal(master, start.get_parameter(name).detach()), name  # and it trained
-    assert set(fp32) == {n for n, _ in model.named_parameters()}
+            masters += 1
+        else:
+            assert master is None, name  # fp32 weights: the optimizer steps them, no copy
+            assert not torch.equal(param, start.get_parameter(name)) or name.startswith("norm"), name
+    assert masters == 1 and set(fp32) == {n for n, _ in model.named_parameters()}
 
 
 def test_masters_keep_what_bf16_would_round_away():
@@ -107,8 +139,9 @@ def test_masters_keep_what_bf16_would_round_away():
     with_masters, _ = fit(MPPlugin("fp8", fp8=AO), steps=24, model=Tiny())
     without, _ = fit(MPPlugin("fp8", fp8=AO, master_weights="none"), steps=24, model=Tiny())
     start = Tiny()
-    moved = (with_masters.fc1.weight.float() != start.fc1.weight.to(torch.bfloat16).float()).sum()
-    stuck = (without.fc1.weight.float() != start.fc1.weight.to(torch.bfloat16).float()).sum()
+    moved = (with_masters.emb.weight.float() != start.emb.weight.to(torch.bfloat16).float()).sum()
+    stuck = (without.emb.weight.float() != start.emb.weight.to(torch.bfloat16).float()).sum()
+    assert with_masters.emb.weight.dtype == without.emb.weight.dtype == torch.bfloat16
     assert stuck < moved
 
 
@@ -145,7 +178,7 @@ class _Unchanged(Callback):
 def test_a_poisoned_step_changes_nothing():
     plugin, check = MPPlugin("fp8", fp8=AO), _Unchanged(at=3)
     fit(plugin, steps=5, model=Net(poison_at=3), callbacks=[check])
-    assert plugin.stats.skipped_steps == 1 and check.checked and check.masters == 7  # (all but the guarded norm)
+    assert plugin.stats.skipped_steps == 1 and check.checked and check.masters == 1  # (the embedding's)
 
 
 def test_master_weights_none_and_fp32_weights_are_the_other_layouts():
@@ -173,7 +206,8 @@ def test_resume_is_bit_identical(tmp_path):
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=True)
     masters = saved["MPPlugin"]["master_weights"]
-    assert masters["kind"] == "fp32" and masters["masters"]["fc1.weight"].dtype == torch.float32
+    assert masters["kind"] == "fp32" and masters["masters"]["emb.weight"].dtype == torch.float32
+    assert "fc1.weight" not in masters["masters"] and saved["state_dict"]["fc1.weight"].dtype == torch.float32
     seed_everything(0)
     rest = Net()
     trainer = Trainer(accelerator="cpu", max_steps=12, plugins=[MPPlugin("fp8", fp8=AO)], logger=False,
@@ -212,7 +246,7 @@ def test_fabric_trains_the_same_layout():
         else:
             losses.append(loss.item())
     assert plugin.stats.skipped_steps == 1 and isinstance(plugin.masters, FP32MasterWeights)
-    assert model.fc1.weight.dtype == torch.bfloat16
+    assert model.fc1.weight.dtype == torch.float32 and model.emb.weight.dtype == torch.bfloat16
     assert sum(losses[-3:]) < sum(losses[:3])
     plugin.teardown()
 
@@ -231,9 +265,10 @@ def test_a_checkpoint_of_the_fp32_layout_resumes_with_its_fp32_weights_as_the_ma
     trainer = Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(model, ckpt_path=path)  # (max_steps reached: restores, steps nothing)
-    assert model.fc1.weight.dtype == torch.bfloat16
-    assert torch.equal(plugin.masters.master_of(model.fc1.weight), saved["fc1.weight"])
-    assert torch.equal(model.fc1.weight, saved["fc1.weight"].to(torch.bfloat16))
+    assert model.emb.weight.dtype == torch.bfloat16
+    assert torch.equal(plugin.masters.master_of(model.emb.weight), saved["emb.weight"])
+    assert torch.equal(model.emb.weight, saved["emb.weight"].to(torch.bfloat16))
+    assert model.fc1.weight.dtype == torch.float32 and torch.equal(model.fc1.weight, saved["fc1.weight"])
 
 
 def test_validate_and_predict_after_fit_keep_the_layout_and_the_masters():
@@ -253,7 +288,8 @@ def test_validate_and_predict_after_fit_keep_the_layout_and_the_masters():
                if plugin.masters.master_of(p) is not None}
     (result,) = trainer.validate(model, verbose=False)
     assert torch.isfinite(torch.tensor(result["val_loss"]))
-    assert model.fc1.weight.dtype == torch.bfloat16 and plugin.stats.steps == 4
+    assert model.fc1.weight.dtype == torch.float32 and model.emb.weight.dtype == torch.bfloat16
+    assert plugin.stats.steps == 4
     for name, param in model.named_parameters():
         if name in masters:
             assert torch.equal(plugin.masters.master_of(param), masters[name]), name

@@ -278,13 +278,21 @@ class FP8Config:
         return settings
 
 
-def settle_weights(config: FP8Config, *, sharded: bool) -> str:
-    """``weights="auto"``: bf16 weights with fp32 master weights in the step (activations in bf16, as under
-    Lightning's Transformer Engine plugin), or under FSDP/FSDP2 fp32 shards gathered for compute (the shards are the
-    masters). Any other value stands."""
+def settle_weights(config: FP8Config, *, sharded: bool, master_weights: Optional[str] = None) -> str:
+    """``weights="auto"`` settled for a run: ``"mixed"`` with fp32 master weights (the default), ``"bf16"`` with any
+    other ``master_weights`` kind, ``"fp32"`` where the model is sharded (FSDP/FSDP2: the fp32 shards are the masters,
+    gathered for compute). Any other value stands.
+
+    ``"mixed"``: the FP8 layers keep fp32 weights, which the optimizer steps directly (they are their own master
+    weights: the layer quantizes from them each step, so a bf16 copy would only be a third copy of the weight), and
+    every other weight is bf16 with an fp32 master in the step, so activations are bf16, as under Lightning's
+    Transformer Engine plugin. ``"bf16"``: every weight bf16 (the memory-saving kinds ``"none"``, ``"kahan"``,
+    ``"stochastic"``, and ``"optimizer"``, whose optimizer keeps fp32 masters itself, ask for no fp32 weights)."""
     if config.weights != "auto":
         return config.weights
-    return "fp32" if sharded else "bf16"
+    if sharded:
+        return "fp32"
+    return "mixed" if master_weights in (None, "fp32") else "bf16"
 
 
 def _choice(name: str, value: Any, accepted: tuple[str, ...], *, lower: bool = False, upper: bool = False) -> str:

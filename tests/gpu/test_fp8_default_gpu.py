@@ -1,5 +1,6 @@
-"""MPPlugin("fp8")'s default layout on a GPU with Transformer Engine: bf16 weights in the model (bf16 activations,
-as under Lightning's Transformer Engine plugin) and fp32 master weights in the step.
+"""MPPlugin("fp8")'s default layout on a GPU with Transformer Engine: the FP8 layers keep fp32 weights (the optimizer
+steps them: their own masters), every other weight is bf16 with an fp32 master in the step, and activations are bf16,
+as under Lightning's Transformer Engine plugin.
 
 Run on the GPU machine: ``source .te/te_install.sh && PYTHONPATH=.:tests python -m pytest -q -m gpu <this file>``.
 """
@@ -29,16 +30,26 @@ def _fit(plugin, steps, batches, callbacks=(), module=None, **kwargs):
     return module, trainer
 
 
-def test_the_default_keeps_bf16_weights_and_fp32_masters():
+def test_the_default_keeps_fp32_fp8_layers_bf16_others_with_fp32_masters_and_bf16_activations():
     batches = bigram_batches(30, 8, SIZE["seq"], SIZE["vocab"])
     seed_everything(0)
     module = LitGPT(batches, lr=3e-3, warmup=1, **SIZE)
     before = {n: p.detach().clone() for n, p in module.named_parameters()}
     plugin = make_fp8_plugin({"size_rule": "off"})
-    _, trainer = _fit(plugin, 30, batches, module=module)
+    outputs: set = set()
+
+    class Dtypes(Callback):
+        def on_train_start(self, trainer, pl_module):
+            for layer in te_linears(pl_module).values():
+                layer.register_forward_hook(lambda mod, args, out: outputs.add(out.dtype))
+
+    _, trainer = _fit(plugin, 30, batches, module=module, callbacks=[Dtypes()])
     assert plugin.master_weights == "fp32" and isinstance(plugin.masters, FP32MasterWeights)
-    assert te_linears(module) and all(m.weight.dtype == torch.bfloat16 for m in te_linears(module).values())
+    assert te_linears(module) and all(m.weight.dtype == torch.float32 for m in te_linears(module).values())
+    assert all(masters_none for masters_none in (plugin.masters.master_of(m.weight) is None
+                                                 for m in te_linears(module).values()))
     assert module.model.tok.weight.dtype == torch.bfloat16  # the residual stream starts bf16
+    assert outputs == {torch.bfloat16}  # and stays bf16 through the FP8 layers
     losses = [float(x) for x in module.losses]
     assert all(math.isfinite(x) for x in losses) and sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
     # the optimizer steps fp32 masters whose bf16 rounding is the model's weight
