@@ -369,6 +369,9 @@ class StepRecords:
     layout: "_Layout"
     #: with ``gather(check=True)``: 1.0 if a gradient the step would apply holds an inf/NaN (``None``: not checked)
     found: Optional[Tensor] = None
+    #: whether each fp32 gradient is its half gradient as backward left it (no fp32 sum of earlier micro-batches
+    #: added, every gradient dense): then a figure taken from the half gradients holds for the fp32 ones
+    plain: bool = False
     #: the records' half gradients and their versions at the gather: their ``grad_seen``, filled only where something
     #: reads them (:meth:`seen`: hooks that may write the gradients)
     unseen: Optional[tuple[list[Optional[Tensor]], list[Optional[int]]]] = None
@@ -577,7 +580,9 @@ class MasterWeights:
         return [e.acc for e in self._entries.values() if e.acc is not None]
 
     # ------------------------------------------------------------------ the step
-    def gather(self, optimizer: Optimizer, *, check: bool = False, every: bool = False) -> StepRecords:
+    def gather(
+        self, optimizer: Optimizer, *, check: bool = False, every: bool = False, taken: bool = False
+    ) -> StepRecords:
         """fp32 stand-ins, with fp32 gradients, for ``optimizer``'s half parameters that have a gradient (``every``:
         for all of them, those without a gradient with none yet: an optimizer that evaluates the closure itself, such
         as LBFGS, makes the gradients inside its step).
@@ -587,7 +592,8 @@ class MasterWeights:
         and follow the weights where those were written from outside. ``check``: also find inf/NaN in every
         gradient the step would apply (the fp32 ones and those of the other parameters) into ``found``, in one
         multi-tensor kernel (not for sparse gradients, tensor subclasses or several devices: ``found`` stays
-        ``None``).
+        ``None``); ``taken``: figures of the half gradients were taken already (during backward): where they hold
+        for the fp32 gradients (``plain``) the pass is left out.
 
         One routine for every kind and case, on the optimizer's :class:`_Layout` (made once, while it fits): in the
         common case (dense gradients, no sums pending) a handful of passes over lists in C and one multi-tensor copy,
@@ -605,7 +611,8 @@ class MasterWeights:
             self._carrying = any(e.acc is not None for e in self._entries.values())
         self._stepping[id(optimizer)] = layout.param_of
         out = layout.step_records(optimizer, grads, picked, dense)
-        if check:
+        out.plain = dense
+        if check and not (taken and dense):
             out.found = layout.check(g32, dense, self._flags)
         return out
 

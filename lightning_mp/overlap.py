@@ -93,6 +93,11 @@ class OverlappedCheck:
             grad.record_stream(side)  # freed on the main stream while the side one may still read it: kept till done
         self._maxima[id(param)] = (grad, grad._version, biggest)
 
+    def forget(self) -> None:
+        """The figures taken are of no use this step (the step applies other gradients): let them and their
+        gradients go."""
+        self._maxima, self._armed = {}, False
+
     def verdict(self, optimizer: Optimizer) -> Optional[Tensor]:
         """The largest magnitude (or the total L2 norm) over ``optimizer``'s gradients as backward left them, or
         ``None`` where a gradient has no figure taken from it as it is now (the caller checks the usual way)."""

@@ -404,6 +404,10 @@ def first_verdict(steps: Steps, optimizer: Optimizer, state: OptimizerState, sca
     gather's own pass (true-half, check-only modes), the spike guard's total norm, or the maxima taken during
     backward; ``state.dirty`` says whether the verdict must still look (stage 6)."""
     check_only = scaler is not None and not scaler.scaling
+    # the figures taken during backward (large models), where they hold for the gradients the step applies
+    overlapped = steps._overlap.installed and (state.records is None or state.records.plain)
+    if steps._overlap.installed and not overlapped:
+        steps._overlap.forget()
     if scaler is not None and scaler.scaling:
         with steps._standing_in(state):
             scaler.unscale_(optimizer)
@@ -415,7 +419,7 @@ def first_verdict(steps: Steps, optimizer: Optimizer, state: OptimizerState, sca
         assert scaler is not None  # check_only
         # the spike guard needs the total gradient norm, which is inf/NaN when a gradient is: one pass for both
         # (taken during backward for large models)
-        norm = steps._overlap.verdict(optimizer) if steps._overlap.installed else None
+        norm = steps._overlap.verdict(optimizer) if overlapped else None
         if norm is None:
             with steps._standing_in(state):
                 norm = total_grad_norm(optimizer, sharded=scaler.sharded)
@@ -423,7 +427,7 @@ def first_verdict(steps: Steps, optimizer: Optimizer, state: OptimizerState, sca
         state.dirty = norm is None or not scaler.verdicts.take_total_(optimizer, norm)
     else:
         # the maxima taken during backward, where every gradient has one (large models, check-only modes)
-        early = steps._overlap.verdict(optimizer) if check_only and steps._overlap.installed else None
+        early = steps._overlap.verdict(optimizer) if check_only and overlapped else None
         state.dirty = early is None or not cast(StepGuard, scaler).verdicts.take_total_(optimizer, early)
 
 

@@ -106,8 +106,9 @@ class OptimizerSteps:
         self._carry_sums = self.masters is not None and module is not None and module.automatic_optimization
         self._overlap.remove()
         scaler = self._scaler
-        if scaler is not None and not scaler.scaling and not scaler.sharded and self.masters is None:
-            # a large model's check runs beside its backward (the L2 norm: the spike guard's figure too)
+        if scaler is not None and not scaler.scaling and not scaler.sharded:
+            # a large model's check runs beside its backward (the L2 norm: the spike guard's figure too; with master
+            # weights the half gradients' figures hold for the fp32 ones where those are copies: StepRecords.plain)
             self._overlap.install(optimizers, norm=2.0 if self.spike is not None else math.inf)
 
     def close(self) -> None:
@@ -271,7 +272,7 @@ class OptimizerSteps:
         scaler = self._scaler
         if self.masters is not None:  # check-only modes: the gather's pass finds inf/NaN too (but for a spike guard)
             check = scaler is not None and not scaler.scaling and self.spike is None
-            state.records = self.masters.gather(optimizer, check=check)
+            state.records = self.masters.gather(optimizer, check=check, taken=self._overlap.installed)
         first_verdict(self, optimizer, state, scaler)
         if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
