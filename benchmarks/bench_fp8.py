@@ -5,8 +5,12 @@ fused AdamW, random tokens) at two sizes, once per mode, all in one process:
 
 ====================  =====================================================================================
 mp-bf16               ``MPPlugin("bf16")``: the reference for the fp32-master-weights target
-mp-fp8                ``MPPlugin("fp8")`` defaults: bf16 weights in the model, fp32 master weights in the step,
-                      delayed scaling, the LM head in bf16
+mp-fp8                ``MPPlugin("fp8")`` defaults: the FP8 layers' weights fp32 (stepped directly: their own
+                      masters), the other weights bf16 with fp32 masters in the step, activations bf16, delayed
+                      scaling, the LM head in bf16
+mp-fp8-bf16m          ``fp8={"weights": "bf16"}``: every weight bf16, fp32 masters in the step (the default of
+                      the 2026-11-28 morning: its masters' copy, compare and write-back cover the FP8 layers too)
+mp-fp8-bf16m-all      the same with every linear and LayerNorm in TE (like ``mp-fp8-all``)
 mp-fp8-head           the defaults with the LM head in FP8 too (``keep_last=0``): the head's bf16 cost on its own
 mp-fp8-all            the defaults with ``keep_last=0``, ``size_rule="off"`` and no FP32 guards: every linear
                       and LayerNorm in TE (the same layers as Lightning's plugin)
@@ -76,6 +80,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from lightning.pytorch import Callback
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -96,6 +101,8 @@ ALL_MODES = ("mp-bf16", "mp-fp8", "mp-fp8-head", "mp-fp8-all", "mp-fp8-fp32w", "
              "lightning-te")
 #: diagnostic modes (``--modes`` names them): what the defaults' parts cost
 EXTRA_MODES = (
+    "mp-fp8-bf16m",
+    "mp-fp8-bf16m-all",
     "mp-fp8-noguards",
     "mp-fp8-nocheck",
     "mp-fp8-bf16w-all-nocheck",
@@ -113,6 +120,8 @@ FP8_SETTINGS: dict[str, dict[str, Any]] = {
     "mp-fp8-head": {"keep_last": 0},
     "mp-fp8-all": {"keep_last": 0, "size_rule": "off"},
     "mp-fp8-fp32w": {"weights": "fp32"},
+    "mp-fp8-bf16m": {"weights": "bf16"},
+    "mp-fp8-bf16m-all": {"weights": "bf16", "keep_last": 0, "size_rule": "off"},
     "mp-fp8-bf16w": {"weights": "bf16"},
     "mp-fp8-bf16w-all": {"weights": "bf16", "keep_last": 0, "size_rule": "off"},
     # the defaults with the LayerNorms converted to TE (guards off), head still bf16
@@ -220,6 +229,7 @@ def run_mode(
 
     model = build_model(args)
     fingerprint = weights_fingerprint(model)
+    phases = MemoryPhases()
     module = lit_gpt(model, batches, lambda params: optimizer(params, args.lr))
     trainer = Trainer(
         accelerator=ACCELERATOR,
@@ -231,13 +241,14 @@ def run_mode(
         max_steps=probe.total,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        callbacks=[probe.callback()],
+        callbacks=[probe.callback(), phases],
         **kwargs,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", DeprecationWarning)
         trainer.fit(module)
     row = probe.results()
+    row.update(phases.figures())
     row.update(
         fingerprint=fingerprint,
         precision=str(trainer.precision),
@@ -253,6 +264,37 @@ def run_mode(
         row["plugin_stats"] = plugin.stats.as_dict()
     del trainer, module, model
     return row
+
+
+class MemoryPhases(Callback):
+    """Where the step's memory peaks, read on the last training batch: GiB held at its start (weights, masters,
+    optimizer state), the peak of forward and backward, and the peak from the end of backward to the batch's end
+    (the step: gradients copied, the optimizer's work)."""
+
+    def __init__(self) -> None:
+        self.held = self.fwd_bwd = self.step = self.peak = 0.0
+
+    def _read(self) -> float:
+        """The peak since the last read (the run's peak is kept: the resets here would lose it)."""
+        torch.cuda.synchronize()
+        value = torch.cuda.max_memory_allocated() / 2**30
+        self.peak = max(self.peak, value)
+        torch.cuda.reset_peak_memory_stats()
+        return value
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._read()
+        self.held = torch.cuda.memory_allocated() / 2**30
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self.fwd_bwd = self._read()
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.step = self._read()
+
+    def figures(self) -> dict[str, float]:
+        self._read()
+        return {"held_gib": self.held, "fwd_bwd_gib": self.fwd_bwd, "step_gib": self.step, "run_peak_gib": self.peak}
 
 
 def cleanup() -> None:
@@ -386,20 +428,21 @@ def family_table(rows: list[dict[str, Any]]) -> str:
 # --------------------------------------------------------------------------------------------- report
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| size | mode | step ms | tokens/s | MFU (bf16 ceiling) | peak GiB | FP8 share | final loss | vs mp-bf16"
-        " | vs lightning-te |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| size | mode | step ms | tokens/s | MFU (bf16 ceiling) | peak GiB | held / fwd+bwd / step GiB | FP8 share"
+        " | final loss | vs mp-bf16 | vs lightning-te |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
                 f"| {r['size']} | {r['mode']} | {r['error']}: {r.get('error_detail', '')[:80]} | | "
-                f"| {fmt(r.get('peak_gib'), '.1f')} | | | | |"
+                f"| {fmt(r.get('peak_gib'), '.1f')} | | | | | |"
             )
             continue
         lines.append(
             f"| {r['size']} | {r['mode']} | {r['step_ms']:.1f} | {r['tokens_per_s']:,.0f} | {r['mfu'] * 100:.1f} % "
-            f"| {r['peak_gib']:.1f} | {r['fp8_share'] * 100:.0f} % | {fmt(r.get('final_loss'), '.4f')} "
+            f"| {r['peak_gib']:.1f} | {fmt(r.get('held_gib'), '.1f')} / {fmt(r.get('fwd_bwd_gib'), '.1f')} / "
+            f"{fmt(r.get('step_gib'), '.1f')} | {r['fp8_share'] * 100:.0f} % | {fmt(r.get('final_loss'), '.4f')} "
             f"| {fmt(r.get('vs_bf16'), '.2f', 'x')} | {fmt(r.get('vs_lightning_te'), '.2f', 'x')} |"
         )
     return "\n".join(lines)
@@ -518,7 +561,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 traceback.print_exc()
                 row["error"] = type(err).__name__
                 row["error_detail"] = str(err).splitlines()[0][:300] if str(err) else ""
-            row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            row["peak_gib"] = max(torch.cuda.max_memory_allocated() / 2**30, row.get("run_peak_gib") or 0.0)
             row["wall_s"] = round(time.perf_counter() - t0, 1)
             if "error" not in row:
                 row["tokens_per_s"] = tokens_per_step / (row["step_ms"] / 1e3)
