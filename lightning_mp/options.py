@@ -97,9 +97,10 @@ def summary(plugin: Any) -> str:
 
 
 def _fp8_weights(plugin: Any) -> str:
+    from lightning_mp.fp8.convert import weights_phrase
+
     fp8 = getattr(getattr(plugin, "_run", None), "fp8", None)
-    weights = str(getattr(fp8, "weights", None) or plugin.fp8_config.weights)
-    return "FP8 layers' fp32 and the other bf16" if weights == "mixed" else weights
+    return weights_phrase(str(getattr(fp8, "weights", None) or plugin.fp8_config.weights))
 
 
 def _weights_clauses(plugin: Any, mode: Any) -> list[str]:
@@ -111,7 +112,7 @@ def _weights_clauses(plugin: Any, mode: Any) -> list[str]:
             f"{BACKEND_TITLES.get(plugin.fp8_config.backend, plugin.fp8_config.backend)} FP8 GEMMs,"
             f" {plugin.fp8_config.recipe} scaling",
             "autocast bf16 for the rest",
-            f"{_fp8_weights(plugin)} weights" + (f", {plugin.master_weights} master weights"
+            _fp8_weights(plugin) + (f", {plugin.master_weights} master weights"
                                                  if plugin.master_weights not in (None, "none") else ""),
         ]
     if mode.true_half:

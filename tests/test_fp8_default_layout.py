@@ -113,7 +113,7 @@ def test_the_default_keeps_fp8_layers_fp32_and_the_rest_bf16_with_exact_fp32_mas
     assert dtypes.seen == {name: {torch.bfloat16} for name in ("emb", *FP8_LAYERS)}  # the activations are bf16
     from lightning_mp.options import summary
 
-    assert "FP8 layers' fp32 and the other bf16 weights, fp32 master weights" in summary(plugin)
+    assert "fp32 weights in the FP8 layers, bf16 elsewhere, fp32 master weights" in summary(plugin)
     start = Net()  # the same seed: the values before the steps
     masters = 0
     for name, param in model.named_parameters():

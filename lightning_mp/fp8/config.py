@@ -43,7 +43,8 @@ RECIPE_CLASSES: dict[str, str] = {
 #: the format each recipe uses when ``fp8_format`` is left unset (Transformer Engine's own defaults)
 DEFAULT_FORMATS: dict[str, str] = {
     "delayed": "HYBRID", "current": "HYBRID", "block": "E4M3", "mxfp8": "E4M3",
-    "tensorwise": "HYBRID", "rowwise": "E4M3", "rowwise_with_gw_hp": "E4M3",  # (torchao's: tensorwise casts output gradients to E5M2)
+    # (torchao's: tensorwise casts output gradients to E5M2)
+    "tensorwise": "HYBRID", "rowwise": "E4M3", "rowwise_with_gw_hp": "E4M3",
 }  # fmt: skip
 FORMATS = ("HYBRID", "E4M3")
 #: recipe-specific fields and the recipes they apply to

@@ -32,6 +32,11 @@ from lightning_mp.guards import fp32_guard_of
 log = logging.getLogger(__name__)
 
 #: the parameters' dtype (``"fp8"``: FP8 primary weights whose nominal dtype, and their gradients', is fp32)
+def weights_phrase(weights: str) -> str:
+    """How a settled ``fp8={"weights": ...}`` layout reads in a report line."""
+    return "fp32 weights in the FP8 layers, bf16 elsewhere" if weights == "mixed" else f"{weights} weights"
+
+
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
 
 
@@ -108,7 +113,7 @@ class ConversionReport:
         ln, ln_all = self.count("LayerNorm"), self.count("LayerNorm") + self.count("LayerNorm", False)
         return (
             f"FP8: {lin} of {lin_all} nn.Linear -> te.Linear ({100 * self.linear_flop_share:.1f} % of linear FLOPs),"
-            f" {ln} of {ln_all} nn.LayerNorm -> te.LayerNorm, {self.weights} weights"
+            f" {ln} of {ln_all} nn.LayerNorm -> te.LayerNorm, {weights_phrase(self.weights)}"
         )
 
     def details(self) -> str:

@@ -427,8 +427,9 @@ class FP8Training:
 
     def __init__(self, config: Union[FP8Config, dict[str, Any], None] = None) -> None:
         self.config = FP8Config.from_value(config)
-        #: the dtype the model's weights are kept in ("auto" settled: bf16; the plugins settle it per strategy)
-        self.weights = settle_weights(self.config, sharded=False)
+        #: the dtype the model's weights are kept in ("auto" settled without master weights of ours: bf16; the
+        #: plugins settle it per strategy and master weights)
+        self.weights = settle_weights(self.config, sharded=False, master_weights="none")
         self.report: Optional[ConversionReport] = None
         self.weight_cache = MicrobatchWeightCache()
         self._model: Optional[nn.Module] = None
