@@ -81,7 +81,7 @@ MODES: dict[str, PrecisionMode] = {
         ),
         PrecisionMode(
             "fp8", "transformer-engine", torch.bfloat16, False, None,
-            "FP8 GEMMs through the FP8 backend, bf16 weights and autocast for the rest, fp32 master weights",
+            "FP8 GEMMs through the FP8 backend, bf16 weights (fp32 masters) and autocast for the rest",
         ),
     )
 }

@@ -122,9 +122,9 @@ class RunPrecision:
 
     def convert_fp8(self, module: Any, device: torch.device, *, sharded: bool = False) -> None:
         """fp8: swap the linear layers for the backend's FP8 layers (checks the GPU and the library first; logs what
-        it did), and keep the weights in the dtype ``fp8={"weights": ...}`` settles on: ``"auto"`` is bf16 weights
-        with fp32 master weights in the step, or, where the model is sharded (``sharded``, FSDP, FSDP2), fp32 shards
-        (the masters) gathered for compute.
+        it did), and keep the weights in the dtype ``fp8={"weights": ...}`` settles on: ``"auto"`` keeps the FP8
+        layers' weights fp32 and the others bf16 with fp32 master weights in the step (``"mixed"``), or, where the
+        model is sharded (``sharded``, FSDP, FSDP2), fp32 shards (the masters) gathered for compute.
 
         A model whose layers were swapped already (by :func:`lightning_mp.prepare_fp8` in ``configure_model``) is
         adopted as it is; a model sharded in ``configure_model`` needs that, or FP8 layers built in.

@@ -392,7 +392,8 @@ class MPSettings(_Settings):
                 f" {self.fp8.weights!r}}} keeps "
                 + ("fp32 weights (there is no master copy to keep)" if self.fp8.weights == "fp32" else
                    "FP8 weights, whose fp32 masters the optimizer keeps (FusedAdam(master_weights=True))")
-                + ". Leave master_weights unset, or use fp8={'weights': 'auto'} (the default: bf16 weights).")
+                + ". Leave master_weights unset, or use fp8={'weights': 'auto'} (the default: bf16 weights outside"
+                " the FP8 layers).")
         if self.master_weights is not None and not mode.true_half and not mode.fp8:
             _refuse_master_weights(self.master_weights, f"precision={mode.name!r} keeps fp32")
         wanted = self.distributed.fsdp_param_dtype

@@ -76,7 +76,8 @@ class MasterWeightsSetup:
         self.masters: Optional[MasterWeights] = None
 
     def half_weights(self, mode: Optional[PrecisionMode]) -> bool:
-        """Whether ``mode`` trains half-precision weights (true-half modes; fp8 with bf16 weights)."""
+        """Whether ``mode`` trains half-precision weights (true-half modes; fp8 with bf16 weights, all or outside
+        the FP8 layers)."""
         return mode is not None and (mode.true_half or (mode.fp8 and self.fp8_weights in HALF_FP8_LAYOUTS))
 
     def kind(self, mode: Optional[PrecisionMode]) -> Optional[str]:

@@ -103,10 +103,13 @@ class FP8Config:
             ``None`` uses :data:`lightning_mp.fp8.filters.AUTO_MIN_FEATURES` (2048).
         convert_layernorm: also swap ``nn.LayerNorm`` for ``te.LayerNorm`` (a fused kernel with bf16 output);
             ``None``: yes with Transformer Engine (torchao swaps linears only).
-        weights: the dtype the model's weights are kept in. ``"auto"`` (the default): bf16 weights with fp32 master
-            weights in the step (``MPPlugin``'s ``master_weights``: ``"fp32"`` by default, ``"none"`` for Lightning's
-            layout, or another kind), so activations are bf16; under FSDP/FSDP2 fp32 shards (they are the masters)
-            gathered for compute. ``"bf16"``: the same bf16 weights, named. ``"fp32"``: fp32 weights under bf16
+        weights: the dtype the model's weights are kept in. ``"auto"`` (the default): with fp32 master weights
+            (``MPPlugin``'s ``master_weights`` default) the FP8 layers keep fp32 weights, which the optimizer steps
+            directly (the layer quantizes from them: they are their own masters), and every other weight is bf16
+            with an fp32 master in the step, so activations are bf16; with another kind (``"none"`` for
+            Lightning's layout, ``"kahan"``, ``"stochastic"``, ``"optimizer"``) every weight is bf16; under
+            FSDP/FSDP2 fp32 shards (they are the masters) gathered for compute. ``"bf16"``: every weight bf16,
+            with master weights per ``master_weights``. ``"fp32"``: fp32 weights under bf16
             autocast (the optimizer steps fp32; activations between layers fp32: slower, the layout before 0.2);
             ``"fp8"`` stores the FP8 layers'
             weights in FP8 (Transformer Engine's ``quantized_model_init``): FSDP2 (``ModelParallelStrategy``)
