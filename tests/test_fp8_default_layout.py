@@ -293,3 +293,44 @@ def test_validate_and_predict_after_fit_keep_the_layout_and_the_masters():
     for name, param in model.named_parameters():
         if name in masters:
             assert torch.equal(plugin.masters.master_of(param), masters[name]), name
+
+
+def test_a_checkpoint_of_the_all_bf16_layout_resumes_with_its_fp32_masters_as_the_fp8_layers_weights(tmp_path):
+    """A run saved with fp8={"weights": "bf16"} (every weight bf16, fp32 masters) resumed with the default: the FP8
+    layers' fp32 weights take the checkpoint's fp32 masters exactly (not the bf16 weights), and training goes on as
+    the saved layout would have (the same fp32 values step the same way)."""
+    _, trainer = fit(saved_plugin := MPPlugin("fp8", fp8={**AO, "weights": "bf16"}), steps=3)
+    assert trainer.lightning_module.fc1.weight.dtype == torch.bfloat16
+    exact = {n: saved_plugin.masters.master_of(p).clone() for n, p in trainer.lightning_module.named_parameters()
+             if saved_plugin.masters.master_of(p) is not None}
+    path = str(tmp_path / "bf16-layout.ckpt")
+    trainer.save_checkpoint(path)
+    plugin = MPPlugin("fp8", fp8=AO)
+    seed_everything(0)
+    model = Net()
+    trainer = Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, ckpt_path=path)  # (max_steps reached: restores, steps nothing)
+    assert model.fc1.weight.dtype == torch.float32
+    for name in ("fc1.weight", "fc1.bias", "fc2.weight", "head.weight"):
+        assert torch.equal(model.get_parameter(name), exact[name]), name
+    assert torch.equal(plugin.masters.master_of(model.emb.weight), exact["emb.weight"])
+
+
+def test_a_checkpoint_of_the_default_resumes_in_the_all_bf16_layout_with_exact_masters(tmp_path):
+    """The other way: saved with the default, resumed with fp8={"weights": "bf16"}: the FP8 layers' fp32 weights in
+    the checkpoint become their masters exactly; the weights are their bf16 rounding."""
+    _, trainer = fit(MPPlugin("fp8", fp8=AO), steps=3)
+    path = str(tmp_path / "default.ckpt")
+    trainer.save_checkpoint(path)
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    assert saved["fc1.weight"].dtype == torch.float32 and saved["emb.weight"].dtype == torch.bfloat16
+    plugin = MPPlugin("fp8", fp8={**AO, "weights": "bf16"})
+    seed_everything(0)
+    model = Net()
+    trainer = Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, ckpt_path=path)
+    assert model.fc1.weight.dtype == torch.bfloat16
+    assert torch.equal(plugin.masters.master_of(model.fc1.weight), saved["fc1.weight"])
+    assert torch.equal(model.fc1.weight, saved["fc1.weight"].to(torch.bfloat16))
