@@ -16,6 +16,27 @@ Run on a machine with 2 GPUs, from the repository root::
 
     PYTHONPATH=. python benchmarks/bench_distributed.py --out benchmarks/results
 
+FSDP2's weight gathers, Transformer Engine against torchao (``--torchao`` adds torchao's rows: ``tensorwise``, fp32
+shards gathered in bf16 (``weights="auto"``, bf16 ``MixedPrecisionPolicy``) or in FP8 (``weights="fp8"``: torchao's
+``enable_fsdp_float8_all_gather``, each weight's scale computed after the step), torch's fused AdamW), on the 1.89 B
+GPT of the earlier FP8-weights rows, step time and peak memory a GPU (Transformer Engine set up, and torchao
+installed: ``pip install --no-deps .whl/torchao-0.18.0-*.whl``); about 7-8 minutes on two H200s (about 70 s a
+Transformer Engine or bf16 run, 100-130 s a torchao run: its layers compile first)::
+
+    PYTHONPATH=. python benchmarks/bench_distributed.py --torchao --hidden 4096 --layers 8 --heads 32 \
+        --steps 12 --warmup 5 --out benchmarks/results --tag fsdp2_gather_torchao_h200x2 \
+        --runs "fsdp2 mp-bf16" "fsdp2 mp-fp8 bf16-gather" "fsdp2 mp-fp8 fp8-weights" \
+               "fsdp2 torchao bf16-gather" "fsdp2 torchao fp8-gather"
+
+(``--torchao`` alone runs torchao's three rows, one GPU's among them: the loss reference of the bf16-gather row.)
+CPU smoke of the torchao rows (gloo; torch runs torchao's FP8 matmuls on the CPU, so the GPU checks stand aside
+there)::
+
+    PYTHONPATH=. python benchmarks/bench_distributed.py --accelerator cpu --hidden 32 --layers 1 --heads 2 --seq 16 \
+        --vocab 64 --global-batch 4 --steps 6 --warmup 2 --poison-steps 3 --act-poison-steps 4 --torchao \
+        --fp8-options '{"size_rule": "off"}' --runs "1gpu mp-fp8 torchao" "fsdp2 torchao bf16-gather" \
+        "fsdp2 torchao fp8-gather"
+
 Step time: CUDA-synchronised wall time per optimizer step, median over the steps after ``--warmup``.
 """
 
@@ -79,6 +100,16 @@ FP8_WEIGHT_RUNS = [
     ("fsdp2 mp-fp8 fp8-weights", "fsdp2", 2, "mp:fp8", FP8_WEIGHT, TE_ADAM_BF16),
     ("fsdp2 mp-fp8 fp8-weights resume", "fsdp2", 2, "mp:fp8", FP8_WEIGHT, {**TE_ADAM_BF16, "resume": "sharded"}),
 ]
+#: with --torchao: torchao's float8 (tensorwise) under FSDP2, fp32 shards gathered in bf16 (weights "auto" and a bf16
+#: MixedPrecisionPolicy) against torchao's FP8 all-gather (weights "fp8"), torch's fused AdamW; one GPU: the loss
+#: reference of the bf16-gather row (one GPU refuses FP8 gathers)
+AO_TENSORWISE = {"fp8": {"backend": "torchao", "recipe": "tensorwise"}}
+AO_FP8_GATHER = {"fp8": {"backend": "torchao", "recipe": "tensorwise", "weights": "fp8"}}
+TORCHAO_RUNS = [
+    ("1gpu mp-fp8 torchao", "single", 1, "mp:fp8", AO_TENSORWISE),
+    ("fsdp2 torchao bf16-gather", "fsdp2", 2, "mp:fp8", AO_TENSORWISE, {"fsdp2_param_dtype": "bf16"}),
+    ("fsdp2 torchao fp8-gather", "fsdp2", 2, "mp:fp8", AO_FP8_GATHER, {"fsdp2_param_dtype": "bf16"}),
+]
 #: with --more: true-half (fp32 masters; under FSDP the shards are the masters) and where MPPlugin's DDP time goes
 MORE_RUNS = [
     ("1gpu mp-bf16-true", "single", 1, "mp:bf16-true"),
@@ -110,9 +141,15 @@ def worker(cfg: dict[str, Any]) -> None:
 
     from lightning_mp import MPPlugin, prepare_fp8
     from lightning_mp.fp8 import fp8_gemm_modules
+    from lightning_mp.fp8.torchao_backend import TorchAOFloat8, is_float8_linear
 
     quiet_lightning()
     cuda = cfg["accelerator"] == "cuda"
+    if not cuda and (cfg["plugin_kwargs"].get("fp8") or {}).get("backend") == "torchao":
+        import lightning_mp.fp8.support as support  # a CPU smoke run: torch runs torchao's FP8 matmuls on the CPU
+
+        TorchAOFloat8.check = lambda self, device: None  # type: ignore[method-assign]
+        support.fp8_device_problem = lambda *args, **kwargs: None
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     precision = cfg["precision"]
     checked = precision.startswith("mp:") and cfg["plugin_kwargs"].get("skip_nonfinite", True)
@@ -131,7 +168,7 @@ def worker(cfg: dict[str, Any]) -> None:
                 return
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-            prepare_fp8(self)  # MPPlugin("fp8"): Transformer Engine layers before sharding; bf16: nothing
+            prepare_fp8(self)  # MPPlugin("fp8"): the FP8 backend's layers before sharding; bf16: nothing
             gather = {"bf16": torch.bfloat16}.get(opts.get("fsdp2_param_dtype"))
             policy = MixedPrecisionPolicy(param_dtype=gather, reduce_dtype=torch.float32 if gather else None)
             mesh = self.device_mesh["data_parallel"]
@@ -140,9 +177,10 @@ def worker(cfg: dict[str, Any]) -> None:
             fully_shard(self.gpt, mesh=mesh, mp_policy=policy)  # the root: training_step calls self.gpt
 
         def on_fit_start(self) -> None:
-            te_layers = fp8_gemm_modules(self)
-            if act_poison and te_layers and self.global_rank == self.trainer.world_size - 1:
-                te_layers[0].register_forward_pre_hook(self._poison_input)  # an inf only the FP8 cast sees
+            fp8_layers = fp8_gemm_modules(self) or [m for m in self.modules() if is_float8_linear(m)]  # TE or torchao
+            if act_poison and fp8_layers and self.global_rank == self.trainer.world_size - 1:
+                # an inf only the FP8 cast sees (first: before torchao's saturation watch reads the input)
+                fp8_layers[0].register_forward_pre_hook(self._poison_input, prepend=True)
 
         def _poison_input(self, module: torch.nn.Module, args: tuple) -> Optional[tuple]:
             if not (self.training and self.trainer.fit_loop.epoch_loop.total_batch_idx in act_poison):
@@ -508,6 +546,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--fp8", action="store_true", help="add the FP8 runs (needs Transformer Engine)")
     p.add_argument("--fp8-resume", action="store_true", help="add the FP8 resume runs (with --fp8)")
     p.add_argument("--fp8-weights", action="store_true", help="add the FP8 primary-weight runs (FP8 gathers)")
+    p.add_argument("--torchao", action="store_true",
+                   help="add torchao's FP8 runs: one GPU, FSDP2 with bf16 gathers, FSDP2 with FP8 gathers")
     p.add_argument("--fp8-options", default=None, help="JSON of fp8 settings for the fp8 runs, e.g. a layer filter")
     p.add_argument("--act-poison-steps", type=int, nargs="*", default=[18],
                    help="fp8 runs: steps whose first FP8 layer input gets an inf on the last rank (saturation)")
@@ -533,6 +573,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         r for r in RUNS + (MORE_RUNS if args.more or args.runs else [])
         + (FP8_RUNS if args.fp8 or args.runs else []) + (FP8_RESUME_RUNS if args.fp8_resume or args.runs else [])
         + (FP8_WEIGHT_RUNS if args.fp8_weights or args.runs else [])
+        + (TORCHAO_RUNS if args.torchao or args.runs else [])
         if r[2] <= count and (not args.runs or r[0] in args.runs)
         and (args.accelerator == "cuda" or (r[1] != "fsdp" and r[3].startswith("mp:")))  # Lightning: FSDP needs CUDA
     ]

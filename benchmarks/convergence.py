@@ -16,13 +16,26 @@ with every run, and a run directory refuses runs of another corpus or configurat
 Modes (``--modes``, default all): ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``bf16-true`` (fp32 master weights),
 ``bf16-true:kahan``, ``bf16-true:stochastic``, ``bf16-true:none`` (the ``master_weights`` option), ``fp16-true``,
 ``fp8`` (bf16 weights with fp32 masters, delayed scaling: the defaults), ``fp8:bf16-weights`` (bf16 weights without
-masters), ``fp8:fp32-weights``, ``fp8:current`` (current scaling), ``fp8:torchao-tensorwise`` and
-``fp8:torchao-rowwise`` (the torchao backend). Every fp8 mode passes ``fp8={"size_rule": "off"}``:
-at width 512 the default size rule would keep every layer out of FP8, and the benchmark is meant to measure FP8
-(the output layer stays in bf16, ``keep_last=1``; validation runs in bf16, the plugin's default). A mode the
-machine cannot run is recorded as ``unsupported`` with the reason: fp8 without an FP8-capable GPU (compute
-capability 8.9+) or Transformer Engine, tf32 on the CPU or below compute capability 8.0 (there it is fp32). fp16
-and fp16-true do run on the CPU (slowly, with the same loss scaling), so a CPU run compares them too.
+masters), ``fp8:fp32-weights``, ``fp8:current`` (current scaling), ``fp8:torchao-tensorwise``,
+``fp8:torchao-rowwise`` and ``fp8:torchao-rowwise-gw-hp`` (the torchao backend; the last is torchao's
+``rowwise_with_gw_hp``: rowwise, with the weight gradient's GEMM in high precision). Every fp8 mode passes
+``fp8={"size_rule": "off"}``: at width 512 the default size rule would keep every layer out of FP8, and the
+benchmark is meant to measure FP8 (the output layer stays in bf16, ``keep_last=1``; validation runs in bf16, the
+plugin's default). A mode the machine cannot run is recorded as ``unsupported`` with the reason: fp8 without an
+FP8-capable GPU (compute capability 8.9+) or Transformer Engine, tf32 on the CPU or below compute capability 8.0
+(there it is fp32). fp16 and fp16-true do run on the CPU (slowly, with the same loss scaling), so a CPU run compares
+them too.
+
+Oracle modes, without lightning_mp: ``plain-torchao-tensorwise`` and ``plain-torchao-rowwise`` train the same model,
+data and optimizer with Lightning's own ``Trainer(precision="bf16-mixed")`` (no MPPlugin) after torchao's public
+``convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=...)`` on
+the layers the fp8 modes convert (every ``nn.Linear`` but the output layer), each ``Float8Linear``'s forward
+compiled on CUDA as the torchao backend compiles it for an uncompiled model, and validation through ``F.linear`` in
+bf16 as the fp8 modes' (torchao's own layers would validate in FP8). What differs is lightning_mp's part: the
+plugin's step and weight layout (the fp8 modes keep the FP8 layers' weights fp32 and the rest bf16 with fp32 master
+weights; the plain modes keep every weight fp32 under autocast). A gap that the plain mode shows as well is the
+recipe's, not lightning_mp's. They run where torchao's float8 runs: on the CPU (torch's FP8 matmul, uncompiled) and on
+an FP8-capable GPU.
 
 Every mode gets fused AdamW (betas 0.9/0.95, weight decay 0.1 on matrices; ``--no-fused``: foreach) with a linear
 warm-up (``--warmup`` steps, at most a tenth of the run) and a cosine decay to 10 % of ``--lr`` (Lightning's
@@ -64,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import gc
 import glob
 import hashlib
@@ -112,6 +126,10 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "fp8:current": ("fp8", {"fp8": {**_FP8, "recipe": "current"}}),
     "fp8:torchao-tensorwise": ("fp8", {"fp8": {**_FP8, "backend": "torchao", "recipe": "tensorwise"}}),
     "fp8:torchao-rowwise": ("fp8", {"fp8": {**_FP8, "backend": "torchao", "recipe": "rowwise"}}),
+    "fp8:torchao-rowwise-gw-hp": ("fp8", {"fp8": {**_FP8, "backend": "torchao", "recipe": "rowwise_with_gw_hp"}}),
+    # the oracles: Lightning's precision="bf16-mixed" (no MPPlugin) after torchao's own convert_to_float8_training
+    "plain-torchao-tensorwise": ("lightning:bf16-mixed", {"torchao_recipe": "tensorwise"}),
+    "plain-torchao-rowwise": ("lightning:bf16-mixed", {"torchao_recipe": "rowwise"}),
 }
 #: a finished run that a later invocation does not train again (``unsupported`` is checked again)
 DONE = ("ok", "diverged", "failed")
@@ -205,6 +223,8 @@ class GPTMini(LightningModule):
         self.head = nn.Linear(width, 256, bias=False)
         self.cfg, self.train_set, self.val_set = cfg, train, val
         self.val_losses: list[torch.Tensor] = []
+        #: gradient clipping done here, not by the Trainer (the oracle modes: see ``on_before_optimizer_step``)
+        self.clip_in_hook = 0.0
         for name, p in self.named_parameters():  # GPT-2's initialisation
             if name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -227,6 +247,12 @@ class GPTMini(LightningModule):
 
     def validation_step(self, batch, batch_idx):
         self.val_losses.append(self._loss(batch).detach())
+
+    def on_before_optimizer_step(self, optimizer):
+        # Lightning's own bf16-mixed refuses gradient_clip_val with a fused optimizer (its fp16 rule); the oracle
+        # modes clip here, where the Trainer would (after this hook, before the step), with the same norm
+        if self.clip_in_hook:
+            torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g["params"]], self.clip_in_hook)
 
     def configure_optimizers(self):
         cfg = self.cfg
@@ -313,7 +339,47 @@ def unsupported_reason(mode: str, device: str) -> Optional[str]:
             make_backend(kwargs["fp8"]).check(device)
         except Exception as err:  # FP8UnavailableError, or Transformer Engine failing to import
             return f"{type(err).__name__}: {err}"
+    if "torchao_recipe" in kwargs:  # torchao's float8 runs on the CPU too (torch's FP8 matmul there)
+        from lightning_mp.fp8.torchao_backend import torchao_support_facts, torchao_support_problem
+
+        try:
+            import torchao.float8  # noqa: F401
+        except Exception as err:  # not installed, or built for another torch
+            return f"torchao's float8 cannot be imported: {type(err).__name__}: {err}"
+        if device == "cuda":
+            return torchao_support_problem(**torchao_support_facts(device, kwargs["torchao_recipe"]))
     return None
+
+
+def plain_torchao(model: nn.Module, recipe: str, compile_layers: bool) -> int:
+    """torchao's own float8 training on ``model``, without lightning_mp (the oracle modes); returns how many layers.
+
+    ``convert_to_float8_training`` with ``Float8LinearConfig.from_recipe_name(recipe)`` on every ``nn.Linear`` but the
+    output layer ``head`` (the fp8 modes' layers: ``size_rule="off"``, ``keep_last=1``; every width here divides by
+    16). With ``compile_layers`` each ``Float8Linear``'s forward is compiled, one compiled function a layer shape (as
+    the torchao backend does for a model that is not compiled). Outside training the layers compute ``F.linear`` in
+    the autocast dtype, as the fp8 modes validate (``fp8_in_eval=False``).
+    """
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda module, fqn: isinstance(module, nn.Linear) and fqn != "head")
+    layers = [m for m in model.modules() if type(m).__name__ == "Float8Linear"]
+    compiled: dict[tuple[int, int], Any] = {}
+    for layer in layers:
+        forward = type(layer).forward
+        if compile_layers:
+            key = (layer.in_features, layer.out_features)
+            forward = compiled[key] = compiled.get(key) or torch.compile(forward)
+        layer.forward = functools.partial(_plain_float8_forward, layer, forward)
+    return len(layers)
+
+
+def _plain_float8_forward(layer: nn.Module, fp8_forward: Any, x: torch.Tensor) -> torch.Tensor:
+    if layer.training:
+        return fp8_forward(layer, x)
+    return F.linear(x, layer.weight, layer.bias)  # validation in bf16 (autocast), as the fp8 modes'
 
 
 def run_config(args: argparse.Namespace, corpus: dict[str, Any]) -> dict[str, Any]:
@@ -353,6 +419,10 @@ def train_one(mode: str, seed: int, args: argparse.Namespace, corpus: dict[str, 
         from lightning_mp.fp8.support import te_version
 
         record["transformer_engine"] = te_version()
+    if kwargs.get("torchao_recipe") or kwargs.get("fp8", {}).get("backend") == "torchao":
+        from lightning_mp.fp8.torchao_backend import torchao_version
+
+        record["torchao"] = torchao_version()
     train = Windows(corpus["train"], train_starts(len(corpus["train"]), args.steps, args.batch_size, args.seq_len,
                                                   seed), args.seq_len)
     val = Windows(corpus["val"], val_starts(len(corpus["val"]), args.eval_batches, args.batch_size, args.seq_len),
@@ -362,12 +432,20 @@ def train_one(mode: str, seed: int, args: argparse.Namespace, corpus: dict[str, 
     model.load_state_dict(initial)
     cuda = device == "cuda"
     recorder = Recorder(args.steps, cuda)
-    plugin = MPPlugin(precision, **kwargs)
-    record["plugin"] = repr(plugin)
+    plugin: Optional[MPPlugin] = None
+    if precision.startswith("lightning:"):  # an oracle mode: Lightning's own precision, torchao's own layers
+        precision_kwargs: dict[str, Any] = {"precision": precision.split(":", 1)[1]}
+        record["float8_layers"] = plain_torchao(model, kwargs["torchao_recipe"], compile_layers=cuda)
+        model.clip_in_hook, clip = args.clip, None
+        record["plugin"] = f"Trainer(precision={precision_kwargs['precision']!r}), torchao convert_to_float8_training"
+    else:
+        plugin = MPPlugin(precision, **kwargs)
+        precision_kwargs, clip = {"plugins": [plugin]}, args.clip or None
+        record["plugin"] = repr(plugin)
     trainer = Trainer(
-        accelerator="gpu" if cuda else "cpu", devices=1, plugins=[plugin], max_steps=args.steps,
+        accelerator="gpu" if cuda else "cpu", devices=1, **precision_kwargs, max_steps=args.steps,
         val_check_interval=args.eval_every, check_val_every_n_epoch=None, num_sanity_val_steps=args.eval_batches,
-        gradient_clip_val=args.clip or None, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        gradient_clip_val=clip, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[recorder],
     )
     t0 = time.perf_counter()
@@ -392,7 +470,7 @@ def train_one(mode: str, seed: int, args: argparse.Namespace, corpus: dict[str, 
                        for i in range(0, len(losses), every)]
     record["nonfinite_train_losses"] = sum(1 for x in losses if not math.isfinite(x))
     record["val"] = [list(point) for point in recorder.val]
-    record["skipped_steps"] = plugin.stats.skipped_steps
+    record["skipped_steps"] = plugin.stats.skipped_steps if plugin is not None else 0  # (Lightning skips none)
     record["steps_done"] = trainer.global_step
     record["wall_s"] = recorder.t_end - recorder.t_start if recorder.t_end else None
     record["eval_s"] = recorder.eval_s
@@ -561,20 +639,20 @@ def plot_curves(runs: list[dict[str, Any]], path: Path, title: str) -> Optional[
     if not curves:
         return "no validation curves to plot"
     order = {m: i for i, m in enumerate(MODES)}
-    colours = plt.get_cmap("tab20").colors
+    colours = plt.get_cmap("tab20").colors  # (the dark shades first, then the light ones)
     fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
     last = max(step for c in curves.values() for step in c)
     for i, mode in enumerate(sorted(curves, key=lambda m: order.get(m, len(order)))):
         steps = sorted(curves[mode])
         mean = [statistics.fmean(curves[mode][s]) for s in steps]
         low, high = [min(curves[mode][s]) for s in steps], [max(curves[mode][s]) for s in steps]
-        style = "--" if ":" in mode else "-"
+        style = ":" if mode.startswith("plain-") else "--" if ":" in mode else "-"
         for ax, start in ((axes[0], 0), (axes[1], last // 2)):
             keep = [j for j, s in enumerate(steps) if s >= start]
             xs = [steps[j] for j in keep]
-            ax.plot(xs, [mean[j] for j in keep], style, color=colours[(2 * i) % 20], label=mode, lw=1.4)
-            ax.fill_between(xs, [low[j] for j in keep], [high[j] for j in keep], color=colours[(2 * i) % 20],
-                            alpha=0.2, lw=0)
+            colour = colours[(2 * i + i // 10) % 20]
+            ax.plot(xs, [mean[j] for j in keep], style, color=colour, label=mode, lw=1.4)
+            ax.fill_between(xs, [low[j] for j in keep], [high[j] for j in keep], color=colour, alpha=0.2, lw=0)
     axes[0].set_title("validation loss (mean over seeds, shaded min–max)")
     axes[1].set_title(f"from step {last // 2}")
     for ax in axes:

@@ -6,7 +6,7 @@ Example (a plain loop; ``MPPlugin("fp8", fp8={"backend": "torchao"})`` wires the
     import torch
     from lightning_mp.fp8.torchao_backend import TorchAOFloat8
 
-    fp8 = TorchAOFloat8({"backend": "torchao", "recipe": "rowwise"})
+    fp8 = TorchAOFloat8({"backend": "torchao", "recipe": "rowwise_with_gw_hp"})
     fp8.convert(model, device="cuda")               # checks, swaps nn.Linear -> Float8Linear, logs one line
     fp8.watch_saturation()                          # an inf reaching an FP8 cast raises a device flag
     opt = torch.optim.AdamW(model.parameters())     # (the swap keeps the parameters: before or after is the same)
@@ -20,8 +20,22 @@ Example (a plain loop; ``MPPlugin("fp8", fp8={"backend": "torchao"})`` wires the
         opt.zero_grad()
 
 torchao is imported only when FP8 runs; this module imports without it. Tested with torchao 0.18.0 (torch 2.11 on
-CUDA, 2.13 on the CPU); the API it uses (``Float8LinearConfig.from_recipe_name("tensorwise"|"rowwise")``,
-``convert_to_float8_training``) is older, but older releases are not tested, so the install hint names 0.18.
+CUDA, 2.13 on the CPU); the API it uses (``Float8LinearConfig.from_recipe_name(recipe)``,
+``convert_to_float8_training``, ``precompute_float8_dynamic_scale_for_fsdp``) is older, but older releases are not
+tested, so the install hint names 0.18.
+
+The recipes (torchao's own, ``Float8LinearConfig.from_recipe_name``; scales dynamic, from each tensor's amax):
+
+========================  ==========================================================================================
+``"tensorwise"``          one scale a tensor; input and weight E4M3, output gradient E5M2; all three GEMMs in FP8
+                          (cuBLAS's tensorwise kernel: the fastest). The default.
+``"rowwise"``             one scale a row (power-of-2 scales); input, weight and output gradient all E4M3; all three
+                          GEMMs in FP8 (the rowwise CUTLASS kernel).
+``"rowwise_with_gw_hp"``  as ``"rowwise"`` for the output GEMM (input and weight rowwise E4M3) and the input
+                          gradient's (output gradient rowwise E4M3 times the weight with one tensorwise E4M3 scale),
+                          but the weight gradient's GEMM in high precision (the input and the output gradient as they
+                          are, bf16 under autocast): torchao's most accurate recipe; one GEMM of three not in FP8.
+========================  ==========================================================================================
 
 Decisions, and why:
 
@@ -30,8 +44,10 @@ Decisions, and why:
   recipe, as torchao's own auto filter checks --, the size rule, no tied weights, no hooks, no FP32 guard) become
   ``Float8Linear`` through torchao's public ``convert_to_float8_training`` applied to each admitted layer; a layer held
   at two paths becomes one ``Float8Linear`` at both. ``Float8Linear`` keeps the ``nn.Linear``'s own parameter objects
-  and adds no buffer, so the model's ``state_dict`` has the plain model's keys and an optimizer made before the swap
-  still steps the right tensors. ``nn.LayerNorm`` stays torch's (torchao swaps linears only).
+  (``weights="fp8"``: the weight becomes a new parameter around the same data, torchao's FSDP2 tensor, which
+  ``prepare_fp8`` makes before the optimizer exists) and adds no buffer, so the model's ``state_dict`` has the plain
+  model's keys and an optimizer made before the swap still steps the right tensors. ``nn.LayerNorm`` stays torch's
+  (torchao swaps linears only).
 * **torch.compile: each FP8 layer's forward is compiled unless the model is compiled already.** torchao's casts
   (amax, scale, cast, for the input, the weight and the output gradient) are separate eager kernels; torchao is
   faster than bf16 only when Inductor fuses them, so an eager ``Float8Linear`` is slower than the ``nn.Linear`` it
@@ -50,10 +66,14 @@ Decisions, and why:
 * **Weights.** ``"bf16"`` casts the model's floating weights to bf16 outside FP32 guards (the plugin keeps fp32
   master weights), ``"fp32"`` leaves them. ``"fp8"`` is torchao's FSDP2 float8 all-gather
   (``enable_fsdp_float8_all_gather``: fp32 shards, FP8 gathers, half a bf16 gather's bytes): recipe ``"tensorwise"``
-  only, and only under FSDP2 (``ModelParallelStrategy``): :meth:`TorchAOFloat8.connect_optimizers` refuses it when
-  the FP8 layers' weights are not sharded.
-* **Saturation.** torchao scales each tensor (tensorwise) or row (rowwise) from its own amax: an inf makes the
-  scale 0 and the cast produces NaN in eager mode (which then reaches the gradients), but a compiled cast's
+  only (torchao gathers tensorwise-scaled weights only; ``"rowwise"`` and ``"rowwise_with_gw_hp"`` are refused), and
+  only under FSDP2 (``ModelParallelStrategy``): :meth:`TorchAOFloat8.connect_optimizers` refuses it when the FP8
+  layers' weights are not sharded. After each optimizer step :meth:`TorchAOFloat8.weights_updated` computes every
+  FP8 weight's scale for the next gathers with one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``;
+  without it each weight's gather all-reduces its own amax); :meth:`TorchAOFloat8.release` and the next
+  :meth:`TorchAOFloat8.connect_optimizers` drop those scales (the weights may be loaded anew in between).
+* **Saturation.** torchao scales each tensor (tensorwise) or row (the rowwise recipes) from its own amax: an inf
+  makes the scale 0 and the cast produces NaN in eager mode (which then reaches the gradients), but a compiled cast's
   min/max need not propagate NaN and can clamp it to the FP8 maximum, a finite value no gradient check sees. The
   sentinel (:class:`Float8Watch`) reads, before each training forward of an FP8 layer, the amax of its input and its
   weight, and in backward the amax of its output gradient (a tensor hook on the output: no ``BackwardHookFunction``
@@ -61,8 +81,12 @@ Decisions, and why:
   last amaxes and their running maximum, which keeps a NaN or inf), so a compiled model traces them without a graph
   break; ``sentinel.take()`` turns the running maxima into the step's flag on the device: no host sync. The last
   amaxes are what :meth:`TorchAOFloat8.layer_stats` reports.
-* **Checkpoints.** Dynamic scaling keeps no state: :meth:`TorchAOFloat8.state_dict` records the recipe and torchao's
-  version only, and a checkpoint from another recipe or backend loads with a warning.
+* **Checkpoints.** Dynamic scaling keeps no state: :meth:`TorchAOFloat8.state_dict` records the recipe (its FP8
+  formats and the weight-gradient GEMM's precision) and torchao's version only, and a checkpoint from another recipe
+  or backend loads with a warning.
+* **The CPU.** torch runs torchao's FP8 matmuls on the CPU too (the tests train there, the hardware check aside);
+  ``Float8Linear`` casts its input to the autocast dtype under CUDA's autocast only, so the layers' forward does it
+  under the CPU's, and a CPU step computes what a GPU step does.
 """
 
 from __future__ import annotations
@@ -102,8 +126,13 @@ INSTALL_HINT = f'pip install "torchao>={TESTED_TORCHAO}"'
 RECIPE_FORMATS: dict[str, tuple[str, str, str]] = {
     "tensorwise": ("e4m3fn", "e4m3fn", "e5m2"),
     "rowwise": ("e4m3fn", "e4m3fn", "e4m3fn"),
+    "rowwise_with_gw_hp": ("e4m3fn", "e4m3fn", "e4m3fn"),  # (not in the weight-gradient GEMM: high precision there)
 }
-_WEIGHTS = ("fp32", "bf16", "fp8")
+#: the recipes whose weight-gradient GEMM runs in high precision (the input and output gradient not cast to FP8)
+HIGH_PRECISION_GRAD_WEIGHT = frozenset({"rowwise_with_gw_hp"})
+#: the recipes with rowwise scales (what the device probe runs)
+ROWWISE_RECIPES = frozenset({"rowwise", "rowwise_with_gw_hp"})
+_WEIGHTS = ("fp32", "bf16", "mixed", "fp8")
 #: module-name parts that wrappers insert (FSDP's units, activation checkpointing, torch.compile): not in the names
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
@@ -139,16 +168,17 @@ def import_float8() -> Any:
 
 
 def float8_linear_config(recipe: str, *, fsdp_float8_all_gather: bool = False) -> Any:
-    """torchao's ``Float8LinearConfig`` for ``recipe`` (``"tensorwise"`` or ``"rowwise"``); imports torchao.
+    """torchao's ``Float8LinearConfig`` for ``recipe`` (``"tensorwise"``, ``"rowwise"`` or ``"rowwise_with_gw_hp"``);
+    imports torchao.
 
     Example::
 
         float8_linear_config("tensorwise", fsdp_float8_all_gather=True)   # FSDP2 gathers FP8 weights
     """
     if recipe not in RECIPE_FORMATS:
-        raise ValueError(f"torchao recipe={recipe!r} is invalid. Accepted values: 'tensorwise', 'rowwise'.")
+        raise ValueError(f"torchao recipe={recipe!r} is invalid. Accepted values: {_ACCEPTED}.")
     if fsdp_float8_all_gather and recipe != "tensorwise":
-        raise ValueError(_FP8_WEIGHTS_ROWWISE)
+        raise ValueError(_FP8_WEIGHTS_TENSORWISE_ONLY)
     float8 = import_float8()
     try:
         config = float8.Float8LinearConfig.from_recipe_name(recipe)
@@ -164,9 +194,11 @@ def float8_linear_config(recipe: str, *, fsdp_float8_all_gather: bool = False) -
     return config
 
 
-_FP8_WEIGHTS_ROWWISE = (
+_ACCEPTED = ", ".join(map(repr, RECIPE_FORMATS))
+_FP8_WEIGHTS_TENSORWISE_ONLY = (
     "fp8 weights='fp8' with backend='torchao' is FSDP2's float8 all-gather, which torchao runs for"
-    " recipe='tensorwise' only. Use recipe='tensorwise', or weights='auto' (fp32 shards gathered in bf16)."
+    " recipe='tensorwise' only (its rowwise recipes, 'rowwise' and 'rowwise_with_gw_hp', scale the weight per row)."
+    " Use recipe='tensorwise', or weights='auto' (fp32 shards gathered in bf16)."
 )
 
 
@@ -202,30 +234,37 @@ def torchao_support_problem(
             " torch), use backend='transformer_engine', or use precision='bf16'."
         )
     if probe_error is not None:
-        other = "'tensorwise'" if recipe == "rowwise" else None
+        other = "'tensorwise'" if recipe in ROWWISE_RECIPES else None
         instead = f"use recipe={other} here, or precision='bf16'" if other else "use precision='bf16'"
         return (
             f"precision='fp8' with backend='torchao', recipe={recipe!r}: torch {torch.__version__} cannot run its"
-            f" FP8 matrix multiply on {name} (torch._scaled_mm with {recipe} scales failed: {probe_error});"
+            f" FP8 matrix multiply on {name} (torch._scaled_mm with {_scale_layout(recipe)} scales failed:"
+            f" {probe_error});"
             f" {instead}."
         )
     return None
 
 
+def _scale_layout(recipe: str) -> str:
+    """``"rowwise"`` for the rowwise recipes (``rowwise_with_gw_hp``'s tensorwise weight scale in the input gradient's
+    GEMM is expanded to a row of scales by torchao), else ``"tensorwise"``."""
+    return "rowwise" if recipe in ROWWISE_RECIPES else "tensorwise"
+
+
 def scaled_mm_probe(device: torch.device, recipe: str) -> Optional[str]:
     """Run one 16 x 32 x 16 ``torch._scaled_mm`` with ``recipe``'s scale layout on ``device``; what it raised, or
-    ``None``. Cached per device and recipe.
+    ``None``. Cached per device and scale layout (both rowwise recipes run the rowwise one).
 
     Example::
 
         scaled_mm_probe(torch.device("cuda"), "rowwise")   # None on an H100
     """
-    key = (str(device), recipe)
+    key = (str(device), _scale_layout(recipe))
     if key not in _PROBES:
         try:
             a = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn)
             b = torch.ones(16, 32, device=device).to(torch.float8_e4m3fn).t()  # column-major, as cuBLAS wants
-            if recipe == "rowwise":
+            if key[1] == "rowwise":
                 scale_a, scale_b = torch.ones(16, 1, device=device), torch.ones(1, 16, device=device)
             else:
                 scale_a, scale_b = torch.ones((), device=device), torch.ones((), device=device)
@@ -402,14 +441,27 @@ def _compiled_forward(module: nn.Module, backend: str) -> Callable[..., Tensor]:
     return fn
 
 
+def _fp8_gather_weight(module: nn.Module) -> Any:
+    """The local shard of ``module``'s weight where FSDP2 gathers it in FP8 (torchao's
+    ``WeightWithDynamicFloat8CastTensor`` inside a DTensor), else ``None``."""
+    local = getattr(module.weight, "_local_tensor", None)
+    return local if type(local).__name__ == "WeightWithDynamicFloat8CastTensor" else None
+
+
 def _float8_class(module: nn.Module) -> Any:
     return next(c for c in type(module).__mro__ if c.__name__ == "Float8Linear")
 
 
 def _float8_forward(route: ForwardRoute, module: Any, input: Tensor) -> Tensor:
-    """A converted layer's forward: ``F.linear`` where FP8 is off, else torchao's (compiled when chosen)."""
+    """A converted layer's forward: ``F.linear`` where FP8 is off, else torchao's (compiled when chosen).
+
+    ``Float8Linear`` casts its input to the autocast dtype under CUDA's autocast only; under the CPU's the route
+    does it, so the layer sees what it sees on a GPU (an fp32 input beside bf16 output gradients would otherwise
+    reach ``rowwise_with_gw_hp``'s high-precision weight-gradient GEMM with two dtypes)."""
     if not route.fp8:
         return F.linear(input, module.weight, module.bias)  # in the surrounding autocast dtype, as nn.Linear
+    if input.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        input = input.to(torch.get_autocast_dtype("cpu"))
     if route.compile:
         return _compiled_forward(module, route.backend)(module, input)
     return _float8_class(module).forward(module, input)
@@ -569,7 +621,7 @@ class TorchAOFloat8:
                 " lightning_mp.fp8.backend.make_backend(config), which picks the backend the config names."
             )
         if self.config.weights == "fp8" and self.config.recipe != "tensorwise":
-            raise ValueError(_FP8_WEIGHTS_ROWWISE)
+            raise ValueError(_FP8_WEIGHTS_TENSORWISE_ONLY)
         #: the dtype the model's weights are kept in ("auto" settled: bf16, as ``backend.settle_weights`` does for one
         #: device; the plugins settle it per strategy)
         self.weights = "bf16" if self.config.weights == "auto" else str(self.config.weights)
@@ -583,6 +635,9 @@ class TorchAOFloat8:
         self._model: Optional[nn.Module] = None
         self._layers: dict[str, nn.Module] = {}
         self._optimizers: list[Any] = []
+        #: the FP8 layers whose weights FSDP2 gathers in FP8 (``weights="fp8"``, set at :meth:`connect_optimizers`):
+        #: their scales are computed after each optimizer step
+        self._fp8_gathered: Optional[nn.ModuleList] = None
         self._released = False
 
     # ------------------------------------------------------------------ set-up
@@ -618,7 +673,7 @@ class TorchAOFloat8:
                 f"fp8 weights={self.weights!r} is invalid. Accepted values: {', '.join(map(repr, _WEIGHTS))}."
             )
         if self.weights == "fp8" and self.config.recipe != "tensorwise":
-            raise ValueError(_FP8_WEIGHTS_ROWWISE)
+            raise ValueError(_FP8_WEIGHTS_TENSORWISE_ONLY)
 
     def convert(
         self,
@@ -702,13 +757,17 @@ class TorchAOFloat8:
 
     def connect_optimizers(self, optimizers: list[Any]) -> int:
         """Nothing to seed (the optimizers step the model's own parameters): returns 0. With ``weights="fp8"``,
-        checks that the FP8 layers are sharded by FSDP2, whose all-gather is what FP8 weights change.
+        checks that the FP8 layers are sharded by FSDP2, whose all-gather is what FP8 weights change, and finds the
+        layers whose scales :meth:`weights_updated` computes (scales kept from an earlier fit are dropped: the
+        weights may have been loaded since).
 
         Raises ``ValueError`` for ``weights="fp8"`` without FSDP2.
         """
         self._optimizers = list(optimizers)
         if self._released:
             self._route_layers()
+        self._drop_fp8_gather_scales()
+        self._fp8_gathered = None
         if self.weights == "fp8" and self._layers:
             sharded = any(type(m.weight).__name__ == "DTensor" for m in self._layers.values())
             if not sharded:
@@ -717,7 +776,16 @@ class TorchAOFloat8:
                     " FP8), but the model's FP8 layers are not sharded by FSDP2. Use ModelParallelStrategy (call"
                     " lightning_mp.prepare_fp8(self) in configure_model before fully_shard), or weights='auto'."
                 )
+            gathered = [m for m in self._layers.values() if _fp8_gather_weight(m) is not None]
+            self._fp8_gathered = nn.ModuleList(gathered) if gathered else None
         return 0
+
+    def _drop_fp8_gather_scales(self) -> None:
+        """Forget the FP8 gathers' precomputed scales: the next gather computes each weight's from its values."""
+        for module in self._layers.values():
+            weight = _fp8_gather_weight(module)
+            if weight is not None:
+                weight._precomputed_scale = None
 
     def prepare_fsdp(self, fsdp_root: nn.Module) -> None:
         """FSDP (1) wrapped the model: ``Float8Linear`` keeps plain parameters, which FSDP gathers in their own dtype;
@@ -751,7 +819,12 @@ class TorchAOFloat8:
         return _Region(self._route, on)
 
     def weights_updated(self) -> None:
-        """Nothing to expire: torchao scales the weights from their current values in every forward."""
+        """After each optimizer step. FSDP2's FP8 all-gather (``weights="fp8"``): every gathered FP8 weight's scale
+        for the next gathers, from the weights the step wrote, in one all-reduce for all of them (torchao's
+        ``precompute_float8_dynamic_scale_for_fsdp``; on the device, no host sync). Otherwise nothing to expire:
+        torchao scales the weights from their current values in every forward."""
+        if self._fp8_gathered is not None:
+            import_float8().precompute_float8_dynamic_scale_for_fsdp(self._fp8_gathered)
 
     def watch_saturation(self, on: bool = True) -> Optional[str]:
         """Start (or stop) the saturation watch on the converted layers; returns its mode (``"hooks"``) or ``None``.
@@ -793,10 +866,19 @@ class TorchAOFloat8:
 
     # ------------------------------------------------------------------ checkpoints
     def recipe_settings(self) -> dict[str, Any]:
-        """The recipe as plain values: its name and torchao's FP8 formats (input, weight, output gradient)."""
+        """The recipe as plain values: its name, torchao's FP8 formats (input, weight, output gradient) and the
+        precision of the weight-gradient GEMM (``"fp8"``, or ``"high"`` for ``rowwise_with_gw_hp``).
+
+        Example::
+
+            TorchAOFloat8({"backend": "torchao", "recipe": "rowwise_with_gw_hp"}).recipe_settings()
+            # {'recipe': 'rowwise_with_gw_hp', 'input': 'e4m3fn', 'weight': 'e4m3fn', 'grad_output': 'e4m3fn',
+            #  'grad_weight_gemm': 'high'}
+        """
         recipe = str(self.config.recipe)
         i, w, g = RECIPE_FORMATS[recipe]
-        return {"recipe": recipe, "input": i, "weight": w, "grad_output": g}
+        gemm = "high" if recipe in HIGH_PRECISION_GRAD_WEIGHT else "fp8"
+        return {"recipe": recipe, "input": i, "weight": w, "grad_output": g, "grad_weight_gemm": gemm}
 
     def state_dict(self) -> dict[str, Any]:
         """The recipe and torchao's version: dynamic scaling keeps no state. Plain strings and numbers."""
@@ -809,7 +891,9 @@ class TorchAOFloat8:
 
     def load_state_dict(self, state: Optional[dict[str, Any]]) -> None:
         """Check :meth:`state_dict`'s output; warns when the checkpoint was written with another recipe or backend
-        (nothing to restore either way: dynamic scaling recomputes every scale)."""
+        (nothing to restore either way: dynamic scaling recomputes every scale; FP8 gathers' precomputed scales are
+        dropped, as the checkpoint's weights come with it)."""
+        self._drop_fp8_gather_scales()
         if not state:
             return
         if not isinstance(state, dict) or not isinstance(state.get("recipe"), dict):
@@ -845,6 +929,8 @@ class TorchAOFloat8:
         (the layers stay ``Float8Linear``, running torchao's own forward). The route comes back at the next
         :meth:`connect_optimizers` or :meth:`autocast` (the same model in a later ``fit``/``validate``)."""
         self.sentinel.detach()
+        self._drop_fp8_gather_scales()
+        self._fp8_gathered = None
         for module in self._layers.values():
             module.__dict__.pop("forward", None)
         self._route.fp8 = True

@@ -1,5 +1,6 @@
-"""FP8 through torchao's float8 on a GPU, through the real Trainer: both recipes train as bf16 does, a poisoned
-batch is skipped, validation runs in bf16, checkpoints keep the plain model's keys.
+"""FP8 through torchao's float8 on a GPU, through the real Trainer: the three recipes (tensorwise, rowwise,
+rowwise_with_gw_hp) train as bf16 does, a poisoned batch is skipped, validation runs in bf16, checkpoints keep the
+plain model's keys.
 
 Skipped unless CUDA, compute capability >= 8.9 and ``torchao`` are present. Run on the GPU machine (the torchao
 wheel for it is downloaded into ``.whl/``)::
@@ -34,7 +35,7 @@ pytestmark = [
         reason="needs torchao and a GPU with compute capability >= 8.9 (run on the GPU machine)",
     ),
 ]
-RECIPES = ["tensorwise", "rowwise"]
+RECIPES = ["tensorwise", "rowwise", "rowwise_with_gw_hp"]
 
 
 # --------------------------------------------------------------------------------------------- model and data
@@ -183,6 +184,7 @@ def test_trains_as_bf16_does(recipe):
     assert list(module.model.state_dict()) == list(GPT().state_dict())
     state = fp8.state_dict()
     assert state["backend"] == "torchao" and state["recipe"]["recipe"] == recipe
+    assert state["recipe"]["grad_weight_gemm"] == ("high" if recipe == "rowwise_with_gw_hp" else "fp8")
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
