@@ -3,12 +3,12 @@
 The plugins (``MPPlugin``, ``MPFabricPrecision``) and the rest of the package speak to FP8 only through an
 :class:`FP8Backend`; only the backend's own modules under :mod:`lightning_mp.fp8` import or name its library:
 
-==========================  ==========================================================  ===========================
-backend (``fp8={"backend"``  module                                                      recipes (first: default)
-==========================  ==========================================================  ===========================
-``"transformer_engine"``    :mod:`lightning_mp.fp8.runtime` (:class:`FP8Training`)      delayed, current, block, mxfp8
-``"torchao"``               :mod:`lightning_mp.fp8.torchao_backend`                      tensorwise, rowwise
-==========================  ==========================================================  ===========================
+========================  =============================================  ==========================================
+backend (``fp8={"backend"``  module                                     recipes (first: default)
+========================  =============================================  ==========================================
+``"transformer_engine"``  :mod:`lightning_mp.fp8.runtime`                delayed, current, block, mxfp8
+``"torchao"``             :mod:`lightning_mp.fp8.torchao_backend`        tensorwise, rowwise, rowwise_with_gw_hp
+========================  =============================================  ==========================================
 
 Example::
 

@@ -85,7 +85,8 @@ class FP8Config:
             scales from an amax history, the fastest on Hopper), ``"current"`` (``Float8CurrentScaling``: per-tensor
             scales from the current tensor), ``"block"`` (``Float8BlockScaling``: 1x128/128x128 blocks, Hopper with
             CUDA 12.9+) or ``"mxfp8"`` (``MXFP8BlockScaling``: 32-element blocks, Blackwell only). torchao:
-            ``"tensorwise"`` (one dynamic scale a tensor) or ``"rowwise"`` (a scale a row).
+            ``"tensorwise"`` (one dynamic scale a tensor), ``"rowwise"`` (a scale a row, every GEMM in FP8) or
+            ``"rowwise_with_gw_hp"`` (rowwise, the weight-gradient GEMM in bf16: torchao's more accurate variant).
         fp8_format: ``"HYBRID"`` (E4M3 forward, E5M2 gradients) or ``"E4M3"`` everywhere; ``None`` takes the
             recipe's default (HYBRID for delayed/current, E4M3 for block/mxfp8).
         margin: scaling-factor margin in powers of two (delayed, mxfp8); ``None``: 0.
