@@ -4,7 +4,7 @@ The plugins (``MPPlugin``, ``MPFabricPrecision``) and the rest of the package sp
 :class:`FP8Backend`; only the backend's own modules under :mod:`lightning_mp.fp8` import or name its library:
 
 ========================  =============================================  ==========================================
-``fp8={"backend": ...}``   module                                         recipes (first: default)
+``fp8={"backend": ...}``  module                                         recipes (first: default)
 ========================  =============================================  ==========================================
 ``"transformer_engine"``  :mod:`lightning_mp.fp8.runtime`                delayed, current, block, mxfp8
 ``"torchao"``             :mod:`lightning_mp.fp8.torchao_backend`        tensorwise, rowwise, rowwise_with_gw_hp
