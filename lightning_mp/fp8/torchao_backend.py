@@ -107,6 +107,7 @@ from torch import Tensor, nn
 
 from lightning_mp.fp8.config import FP8Config
 from lightning_mp.fp8.convert import (
+    weights_phrase,
     ConversionReport,
     ModuleRecord,
     apply_weights_dtype,
@@ -331,7 +332,7 @@ class TorchAOConversionReport(ConversionReport):
         lin, lin_all = self.count("Linear"), self.count("Linear") + self.count("Linear", False)
         text = (
             f"FP8 (torchao, {self.recipe}): {lin} of {lin_all} nn.Linear -> Float8Linear"
-            f" ({100 * self.linear_flop_share:.1f} % of linear FLOPs), {self.weights} weights"
+            f" ({100 * self.linear_flop_share:.1f} % of linear FLOPs), {weights_phrase(self.weights)}"
         )
         if self.compiled is not None:
             text += ", layers compiled" if self.compiled else ", layers not compiled"
