@@ -186,7 +186,7 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
         steps.connect(None, self._optimizers)
         self._steps = steps
         self.stats.set_namer(self._weights.namer(container))
-        self.stats.set_fp8_layers(fp8.layer_stats if fp8 is not None else None)
+        self.stats.set_fp8(fp8)  # layer_stats, and the probe of saturated and underflowing shares
         run.connect_fp8(None, device, watch=run.scaler is not None, optimizers=self._optimizers)
         return steps
 

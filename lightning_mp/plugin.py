@@ -168,7 +168,7 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         )  # fmt: skip
         self._steps.connect(module, raw)
         self.stats.set_namer(self._weights.namer(module or model))
-        self.stats.set_fp8_layers(fp8.layer_stats if fp8 is not None else None)
+        self.stats.set_fp8(fp8)  # layer_stats, and the probe of saturated and underflowing shares
         if self.hold_schedulers_on_skip and self._run.scaler is not None:
             if self._hold.install(module, lr_schedulers, skipped_for=self._steps.skipped_for):
                 self._patches.add(f"lr_scheduler_step on {type(module).__name__}", self._hold.remove)

@@ -323,6 +323,7 @@ class StepStats:
         self.per_optimizer: list[OptimizerStats] = []
         self._namer: Optional[Callable[[Tensor], Optional[str]]] = None
         self._fp8_layers: Optional[Callable[[], dict[str, dict[str, float]]]] = None
+        self._fp8_shares: Optional[Any] = None  # an FP8ShareProbe (lightning_mp.fp8.shares), in fp8 runs
 
     def optimizer(self, index: int) -> OptimizerStats:
         """The counters of the run's ``index``-th optimizer (made at its first use, kept from one entry point to the
@@ -345,10 +346,45 @@ class StepStats:
     def set_fp8_layers(self, read: Optional[Callable[[], dict[str, dict[str, float]]]]) -> None:
         self._fp8_layers = read
 
+    def set_fp8(self, backend: Optional[Any]) -> None:
+        """The run's FP8 backend (``None``: not an FP8 run): its ``layer_stats`` for :meth:`fp8_layers`, and a share
+        probe on its layers for :meth:`arm_fp8_shares`."""
+        from lightning_mp.fp8.shares import FP8ShareProbe  # (imports neither Transformer Engine nor torchao)
+
+        self.set_fp8_layers(backend.layer_stats if backend is not None else None)
+        self.set_fp8_shares(FP8ShareProbe(backend) if backend is not None else None)
+
     def fp8_layers(self) -> dict[str, dict[str, float]]:
         """Per FP8 layer of an ``MPPlugin("fp8")`` run, the scaling its backend keeps (``FP8Backend.layer_stats``:
         scale, amax, headroom); ``{}`` in other modes. One host read."""
         return self._fp8_layers() if self._fp8_layers is not None else {}
+
+    def set_fp8_shares(self, probe: Optional[Any]) -> None:
+        """The run's :class:`~lightning_mp.fp8.shares.FP8ShareProbe` (``None``: no FP8 layers); one armed before is
+        disarmed."""
+        if self._fp8_shares is not None and self._fp8_shares is not probe:
+            self._fp8_shares.disarm()
+        self._fp8_shares = probe
+
+    def arm_fp8_shares(self) -> bool:
+        """Measure, in the next training step (its forward and backward), the share of each FP8 layer's input,
+        weight and output gradient that its FP8 cast saturates or flushes to zero; read them with
+        :meth:`fp8_shares`. Costs a pass over each of those tensors in that step only: arm it on the steps you log.
+        Returns whether there are FP8 layers to measure (``False`` in other modes). Arming again before the read adds
+        to the same counts (the micro-batches of one step)."""
+        return self._fp8_shares.arm() if self._fp8_shares is not None else False
+
+    def fp8_shares(self) -> dict[str, dict[str, float]]:
+        """The shares measured since :meth:`arm_fp8_shares`, per FP8 layer: ``saturated_<tensor>`` (the share of its
+        elements beyond the format's maximum once scaled, inf/NaN included) and ``underflow_<tensor>`` (the share of
+        its non-zero elements the cast rounds to zero), ``<tensor>``: ``input``, ``weight``, ``grad``. One host
+        read; the probe's hooks come off. ``{}`` when nothing was armed."""
+        return self._fp8_shares.read() if self._fp8_shares is not None else {}
+
+    def disarm_fp8_shares(self) -> None:
+        """Take the share probe's hooks off without reading (an armed step that did not run)."""
+        if self._fp8_shares is not None:
+            self._fp8_shares.disarm()
 
     def record_grad_norm(self, norm: Tensor) -> None:
         """Keep the (unscaled) gradient norm computed by clipping; stays on the device."""

@@ -3,7 +3,8 @@
 When it reads what (automatic optimization; the order matters):
 
 1. ``on_train_batch_start``: on a logging step with ``layer_stats=True``, forward hooks go on the chosen
-   layers (and come off at the end of the batch); between logging steps nothing is hooked.
+   layers (and come off at the end of the batch); with ``fp8_layers=True``, ``StepStats.arm_fp8_shares()`` hooks the
+   FP8 layers for the step (read at its end); between logging steps nothing is hooked.
 2. ``on_before_optimizer_step``: the gradients are unscaled here (Lightning's ``MixedPrecision`` and
    ``FSDPPrecision`` unscale before this hook, ``MPPlugin`` too), except with a fused optimizer under a
    native scaler, which unscales inside its step: the monitor divides by the scale then. With a native
@@ -189,7 +190,8 @@ class PrecisionMonitor(Callback):
         prog_bar: also show the scalar figures (loss scale, skipped steps, skip rate, consecutive skips, gradient
             norm; not the per-layer ones) on the progress bar.
         fp8_layers: with ``MPPlugin("fp8")``, also log each FP8 layer's scaling as ``precision/fp8_<figure>/<layer>``
-            (the backend's ``layer_stats()``: scale, amax, headroom; logging steps only, one host read).
+            (the backend's ``layer_stats()``: scale, amax, headroom) and the shares its casts lose in the logging
+            step, ``fp8_saturated_<tensor>`` and ``fp8_underflow_<tensor>`` (:mod:`lightning_mp.fp8.shares`).
     """
 
     #: it reads gradients and never writes them: MPPlugin's verdict need not look again after this hook
@@ -250,7 +252,7 @@ class PrecisionMonitor(Callback):
         self._every = 1
         self._names: list[str] = []  # qualified layer names
         self._modules: list[nn.Module] = []
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = []  # (and the FP8 share probe, armed for the logging step)
         self._agreement: Optional[_RankAgreement] = None
         self._native = _NativeSkips()
         self._logging_step = False
@@ -265,11 +267,8 @@ class PrecisionMonitor(Callback):
         self._plugin: Optional[weakref.ref] = None  # the precision plugin whose counts the figures follow
         self._shared_row = _SharedRow()  # the figures of a step Lightning logs go into its row
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_plugin"] = None  # (a weak reference does not pickle)
-        state["_shared_row"] = _SharedRow()  # (nor the wrapper of a running fit)
-        return state
+    def __getstate__(self) -> dict[str, Any]:  # (a weak reference does not pickle, nor the wrapper of a running fit)
+        return {**self.__dict__, "_plugin": None, "_shared_row": _SharedRow()}
 
     def _start_run(self) -> None:
         """Forget the counts of another precision plugin's run (what ``state_dict`` saves, and the last figures)."""
@@ -356,6 +355,7 @@ class PrecisionMonitor(Callback):
         if self._names and not self._hooks:
             for i, module in enumerate(self._modules):
                 self._hooks.append(module.register_forward_hook(self._forward_hook(i)))
+        self._hooks += _arm_fp8_shares(trainer) if self.fp8_layers else []
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
@@ -944,12 +944,30 @@ def _runs_fp8(plugin: Any) -> bool:
 
 
 def _fp8_figures(stats: StepStats) -> dict[str, float]:
-    """Each FP8 layer's scaling figures (:meth:`StepStats.fp8_layers`), as ``precision/fp8_<figure>/<layer>``."""
+    """Each FP8 layer's scaling figures (:meth:`StepStats.fp8_layers`) and the shares its casts lost in this step
+    (:meth:`StepStats.fp8_shares`, where the monitor armed them), as ``precision/fp8_<figure>/<layer>``."""
     return {
         f"precision/fp8_{figure}/{layer}": float(value)
-        for layer, figures in stats.fp8_layers().items()
+        for per_layer in (stats.fp8_layers(), stats.fp8_shares())
+        for layer, figures in per_layer.items()
         for figure, value in figures.items()
     }
+
+
+def _arm_fp8_shares(trainer: Trainer) -> list[Any]:
+    """Arm the FP8 share probe for the step (again at each of its micro-batches: the counts add up): ``[a handle]``
+    whose ``remove()`` disarms it, or ``[]`` without FP8 layers."""
+    stats = _mp_stats(trainer)
+    return [_Disarm(stats)] if stats is not None and stats.arm_fp8_shares() else []
+
+
+class _Disarm(NamedTuple):
+    """Takes the FP8 share probe's hooks off with the monitor's own (``remove()``), read or not."""
+
+    stats: StepStats
+
+    def remove(self) -> None:
+        self.stats.disarm_fp8_shares()
 
 
 _NO_FP8_LAYERS = (

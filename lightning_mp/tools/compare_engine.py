@@ -100,6 +100,10 @@ class ModeResult:
     #: (headroom = the format's maximum over the scaled amax; below 1 it was clipped), as "layer tensor"
     fp8_headroom: Optional[float] = None
     fp8_layer: Optional[str] = None
+    #: fp8: the largest share of an FP8 layer's tensor that its cast saturated or rounded to zero, over the logged
+    #: steps (PrecisionMonitor(fp8_layers=True)), and where, as "layer tensor saturated|underflow"
+    fp8_lost: Optional[float] = None
+    fp8_lost_layer: Optional[str] = None
 
     @property
     def ran(self) -> bool:
@@ -467,6 +471,10 @@ def _merge_headroom(acc: dict[str, Any], figures: dict[str, float]) -> None:
             acc["act_absmax"] = max(acc.get("act_absmax", 0.0), value)
         elif kind == "grad_underflow" and not math.isnan(value):
             acc["grad_underflow"] = max(acc.get("grad_underflow", 0.0), value)
+        elif kind.startswith(("fp8_saturated_", "fp8_underflow_")) and not math.isnan(value):
+            what, _, tensor = kind.removeprefix("fp8_").partition("_")
+            if "fp8_lost" not in acc or value > acc["fp8_lost"][0]:
+                acc["fp8_lost"] = (value, f"{layer} {tensor} {what}")
 
 
 # --------------------------------------------------------------------------------------------- running
@@ -638,7 +646,9 @@ def _fit(p, scheduler, schedule, device_type, seed, initial_state, trainer_kwarg
                 kwargs["master_weights"] = master
             plugin = MPPlugin(precision, **kwargs)
             precision_kwargs = {"plugins": [plugin]}
-        monitor = PrecisionMonitor(log_every_n_steps=monitor_every, layer_stats=True) if monitor_every else None
+        fp8 = not native and mode.partition(":")[0] == "fp8"  # (its layers' lost shares, on the monitor's steps)
+        monitor = (PrecisionMonitor(log_every_n_steps=monitor_every, layer_stats=True, fp8_layers=fp8)
+                   if monitor_every else None)
         pace = _make_pace(p, scheduler, device_type, untimed, schedule.memory_step, monitor)
         kwargs = {**trainer_kwargs, **precision_kwargs}
         kwargs.update(
@@ -714,6 +724,8 @@ def _summarize(p: _Participant, schedule: Schedule, device_type: str) -> None:
     if "grad_headroom" in p.headroom:
         result.grad_headroom_bits, result.grad_layer = p.headroom["grad_headroom"]
         result.grad_underflow = p.headroom.get("grad_underflow")
+    if "fp8_lost" in p.headroom:
+        result.fp8_lost, result.fp8_lost_layer = p.headroom["fp8_lost"]
     finite = [x for x in result.losses if math.isfinite(x)]
     if finite:
         tail = finite[-max(1, min(10, len(finite) // 5)):]

@@ -64,6 +64,14 @@ def _memory_cell(r: ModeResult) -> str:
     return cell
 
 
+def fp8_lost_text(share: float, where: Optional[str]) -> str:
+    """The FP8 layer whose cast lost the largest share of a tensor: ``where`` is "layer tensor saturated|underflow"."""
+    if share <= 0 or not where:
+        return "FP8 casts lost no values"
+    place, _, kind = where.rpartition(" ")
+    return f"FP8 layer losing most {place}: {100 * share:.3g} % {kind}"
+
+
 def headroom_text(bits: Optional[float]) -> str:
     if bits is None:
         return "—"
@@ -88,6 +96,8 @@ def _stability_cell(r: ModeResult, is_reference: bool, note: Optional[int]) -> s
     if r.fp8_headroom is not None:
         clipped = " (clipped)" if r.fp8_headroom < 1 else ""
         parts.append(f"tightest FP8 layer {r.fp8_layer}: headroom {r.fp8_headroom:.3g}x{clipped}")
+    if r.fp8_lost is not None:
+        parts.append(fp8_lost_text(r.fp8_lost, r.fp8_lost_layer))
     if r.loss_scale is not None:
         parts.append(f"loss scale {r.loss_scale:g}")
     return " · ".join(parts)
@@ -123,14 +133,20 @@ def legend(results: Sequence[ModeResult], reference: Optional[str], device_type:
               "estimated per mode on the CPU: weights, gradients, optimizer state and master copies, plus every"
               " tensor saved for backward in one step (the process's RSS is not per mode), and its share of"
               f" {ref}'s")
+    fp8 = _FP8_LEGEND if any(r.fp8_lost is not None for r in results) else ""
     return "\n".join([
         wrap(f"memory: {memory}.", indent="  "),
         wrap(f"speed: median step time over the timed steps (IQR); speed-up over {ref}: the median of the"
              " per-round ratios, with its 95% bootstrap interval in brackets.", indent="  "),
         wrap(f"stability: final loss ({tail}) against {ref}'s; skipped steps; fp16"
              " headroom: log2(65504 / largest |value|) over the layers' outputs and gradients (PrecisionMonitor),"
-             " bits left before fp16 overflows (0 or less: it does).", indent="  "),
+             f" bits left before fp16 overflows (0 or less: it does).{fp8}", indent="  "),
     ])
+
+
+_FP8_LEGEND = (" FP8 layer losing most: the largest share of an FP8 layer's input, weight or output gradient that its"
+               " cast saturated (beyond the format's maximum once scaled) or rounded to zero (underflow), over the"
+               " logged steps.")
 
 
 def noise_text(results: Sequence[ModeResult], load: Optional[tuple[float, int]]) -> str:
