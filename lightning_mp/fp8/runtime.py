@@ -427,9 +427,10 @@ class FP8Training:
 
     def __init__(self, config: Union[FP8Config, dict[str, Any], None] = None) -> None:
         self.config = FP8Config.from_value(config)
-        #: the dtype the model's weights are kept in ("auto" settled without master weights of ours: bf16; the
-        #: plugins settle it per strategy and master weights)
-        self.weights = settle_weights(self.config, sharded=False, master_weights="none")
+        #: the dtype the model's weights are kept in. Used alone (a loop of the caller's), "auto" is fp32: no master
+        #: weights of ours step there, so the weights themselves keep full precision (as ``convert_to_te``'s "auto");
+        #: the plugins settle "auto" per strategy and master weights before they convert
+        self.weights = "fp32" if self.config.weights == "auto" else settle_weights(self.config, sharded=False)
         self.report: Optional[ConversionReport] = None
         self.weight_cache = MicrobatchWeightCache()
         self._model: Optional[nn.Module] = None
