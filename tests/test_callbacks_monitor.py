@@ -501,7 +501,8 @@ def test_fp8_layers_logs_each_fp8_layers_scaling(monkeypatch, tmp_path):
                       logger=CSVLogger(str(tmp_path), name="run"), enable_progress_bar=False,
                       enable_model_summary=False, enable_checkpointing=False)
     trainer.fit(_FP8Net())
-    fp8 = {k: v for k, v in monitor.last.items() if k.startswith("precision/fp8_")}
+    fp8 = {k: v for k, v in monitor.last.items()
+           if k.startswith("precision/fp8_") and k.split("/")[1].endswith("_amax")}  # (the shares may be 0)
     layers = {k.split("/", 2)[2] for k in fp8}
     assert layers == {"net.0", "net.2"}  # the two FP8 layers, by their names
     assert {k.split("/")[1] for k in fp8} >= {"fp8_input_amax", "fp8_weight_amax", "fp8_grad_amax"}
