@@ -94,6 +94,16 @@ class _Dtypes(Callback):
             )
 
 
+def restored(plugin, path, steps=3):
+    """A fresh model fitted from the checkpoint at ``path`` up to ``steps`` (reached: it restores, steps nothing)."""
+    seed_everything(0)
+    model = Net()
+    trainer = Trainer(accelerator="cpu", max_steps=steps, plugins=[plugin], logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, ckpt_path=path)
+    return model
+
+
 def test_the_default_keeps_fp8_layers_fp32_and_the_rest_bf16_with_exact_fp32_masters():
     model = Net()
     fp32 = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -260,11 +270,7 @@ def test_a_checkpoint_of_the_fp32_layout_resumes_with_its_fp32_weights_as_the_ma
     saved = torch.load(path, weights_only=True)["state_dict"]
     assert saved["fc1.weight"].dtype == torch.float32
     plugin = MPPlugin("fp8", fp8=AO)
-    seed_everything(0)
-    model = Net()
-    trainer = Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, ckpt_path=path)  # (max_steps reached: restores, steps nothing)
+    model = restored(plugin, path)
     assert model.emb.weight.dtype == torch.bfloat16
     assert torch.equal(plugin.masters.master_of(model.emb.weight), saved["emb.weight"])
     assert torch.equal(model.emb.weight, saved["emb.weight"].to(torch.bfloat16))
@@ -297,8 +303,7 @@ def test_validate_and_predict_after_fit_keep_the_layout_and_the_masters():
 
 def test_a_checkpoint_of_the_all_bf16_layout_resumes_with_its_fp32_masters_as_the_fp8_layers_weights(tmp_path):
     """A run saved with fp8={"weights": "bf16"} (every weight bf16, fp32 masters) resumed with the default: the FP8
-    layers' fp32 weights take the checkpoint's fp32 masters exactly (not the bf16 weights), and training goes on as
-    the saved layout would have (the same fp32 values step the same way)."""
+    layers' fp32 weights take the checkpoint's fp32 masters exactly (not the bf16 weights)."""
     _, trainer = fit(saved_plugin := MPPlugin("fp8", fp8={**AO, "weights": "bf16"}), steps=3)
     assert trainer.lightning_module.fc1.weight.dtype == torch.bfloat16
     exact = {n: saved_plugin.masters.master_of(p).clone() for n, p in trainer.lightning_module.named_parameters()
@@ -306,11 +311,7 @@ def test_a_checkpoint_of_the_all_bf16_layout_resumes_with_its_fp32_masters_as_th
     path = str(tmp_path / "bf16-layout.ckpt")
     trainer.save_checkpoint(path)
     plugin = MPPlugin("fp8", fp8=AO)
-    seed_everything(0)
-    model = Net()
-    trainer = Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, ckpt_path=path)  # (max_steps reached: restores, steps nothing)
+    model = restored(plugin, path)
     assert model.fc1.weight.dtype == torch.float32
     for name in ("fc1.weight", "fc1.bias", "fc2.weight", "head.weight"):
         assert torch.equal(model.get_parameter(name), exact[name]), name
@@ -326,11 +327,7 @@ def test_a_checkpoint_of_the_default_resumes_in_the_all_bf16_layout_with_exact_m
     saved = torch.load(path, weights_only=True)["state_dict"]
     assert saved["fc1.weight"].dtype == torch.float32 and saved["emb.weight"].dtype == torch.bfloat16
     plugin = MPPlugin("fp8", fp8={**AO, "weights": "bf16"})
-    seed_everything(0)
-    model = Net()
-    trainer = Trainer(accelerator="cpu", max_steps=3, plugins=[plugin], logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, ckpt_path=path)
+    model = restored(plugin, path)
     assert model.fc1.weight.dtype == torch.bfloat16
     assert torch.equal(plugin.masters.master_of(model.fc1.weight), saved["fc1.weight"])
     assert torch.equal(model.fc1.weight, saved["fc1.weight"].to(torch.bfloat16))
