@@ -331,3 +331,36 @@ def test_a_checkpoint_of_the_default_resumes_in_the_all_bf16_layout_with_exact_m
     assert model.fc1.weight.dtype == torch.bfloat16
     assert torch.equal(plugin.masters.master_of(model.fc1.weight), saved["fc1.weight"])
     assert torch.equal(model.fc1.weight, saved["fc1.weight"].to(torch.bfloat16))
+
+
+class _Writes(Callback):
+    """Writes the weights from outside the step at one batch's start, the ways users do: ``.data`` in place (an FP8
+    layer's fp32 weight and the bf16 embedding), ``load_state_dict`` (the head), ``no_grad`` copy (fc2)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == self.at:
+            pl_module.fc1.weight.data.fill_(0.25)
+            pl_module.emb.weight.data.fill_(0.5)
+            state = pl_module.head.state_dict()
+            pl_module.head.load_state_dict({k: torch.full_like(v, -0.25) for k, v in state.items()})
+            with torch.no_grad():
+                pl_module.fc2.weight.copy_(torch.full_like(pl_module.fc2.weight, 0.125))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == self.at:  # one AdamW step (lr 3e-3) from the written values, not from the masters' old ones
+            for name, value in (("fc1", 0.25), ("emb", 0.5), ("head", -0.25), ("fc2", 0.125)):
+                weight = pl_module.get_submodule(name).weight.float()
+                assert (weight - value).abs().max() < 0.01, name
+            masters = trainer.precision_plugin.masters
+            assert (masters.master_of(pl_module.emb.weight) - 0.5).abs().max() < 0.01
+            self.checked = True
+
+
+@pytest.mark.parametrize("fp8", [AO, {**AO, "weights": "bf16"}], ids=["default", "all-bf16"])
+def test_weights_written_from_outside_the_step_are_trained_from_in_every_layout(fp8):
+    writes = _Writes(at=3)
+    fit(MPPlugin("fp8", fp8=fp8), steps=5, callbacks=[writes])
+    assert writes.checked
