@@ -33,6 +33,8 @@ fp32 regions of guards) is entered and left by context managers, also when an ex
 Lightning calls ``teardown`` after every entry point (``fit``, ``validate``, ``test``, ``predict``), also when the run
 ends with an exception or an interrupt: afterwards the user's module is a plain module again.
 
+The plugin itself pickles and deep-copies mid-run too (a copy keeps the counters, the loss scale and the master
+weights, and holds none of these changes: no undo, no module, trainer or gradient hooks; it trains a run of its own).
 What is set on the user's objects pickles and deep-copies: ``torch.save(pl_module)`` and ``copy.deepcopy(pl_module)``
 mid-fit (checkpointing code, weight-averaging callbacks) work in every mode. Nothing of the scheduler hold is in the
 module's ``__dict__``, so a copy calls its own ``lr_scheduler_step``, never held. The FP32 guards are objects bound to
@@ -61,6 +63,11 @@ class Patches:
 
     def __init__(self) -> None:
         self._undo: list[tuple[str, Callable[[], object]]] = []
+
+    def __getstate__(self) -> dict[str, object]:
+        """A copy (``pickle``, ``copy.deepcopy``: a plugin copied mid-run) is not the run that made these changes:
+        it records none and undoes none (the original's teardown undoes them)."""
+        return {"_undo": []}
 
     def add(self, what: str, undo: Callable[[], object]) -> None:
         """Record a change that was just made, with the callable that reverts it."""

@@ -38,6 +38,10 @@ class SchedulerHold:
         self.module: Optional[LightningModule] = None
         self._step_schedulers: set[int] = set()
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy holds nothing: the held module's class is the original's to release."""
+        return {**self.__dict__, "module": None, "_skipped_for": None}
+
     def install(
         self, module: Optional[LightningModule], configs: list, skipped_for: Callable[[Optional[Optimizer]], bool]
     ) -> bool:

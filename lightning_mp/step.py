@@ -80,6 +80,13 @@ class OptimizerSteps:
         self._overlap = OverlappedCheck()
         self._flags = checks.ZeroFlags()  # the check-only plans' verdict flags
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (a plugin pickled or deep-copied mid-run) keeps the counters, plans and records, not the run's
+        module, trainer or gradient hooks: the next run's :meth:`open` binds its own."""
+        state = self.__dict__.copy()
+        state.update(_module=None, _trainer=None, _hooks_write=None, _overlap=OverlappedCheck())
+        return state
+
     @property
     def scaler(self) -> Optional[StepGuard]:
         return self._scaler

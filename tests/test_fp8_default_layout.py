@@ -72,7 +72,8 @@ class Net(LightningModule):
 def fit(plugin, steps=6, model=None, **kwargs):
     seed_everything(0)
     model = model if model is not None else Net()
-    trainer = Trainer(accelerator="cpu", max_steps=steps, plugins=[plugin], logger=False, enable_checkpointing=False,
+    kwargs.setdefault("logger", False)
+    trainer = Trainer(accelerator="cpu", max_steps=steps, plugins=[plugin], enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, **kwargs)
     trainer.fit(model)
     return model, trainer
@@ -364,3 +365,29 @@ def test_weights_written_from_outside_the_step_are_trained_from_in_every_layout(
     writes = _Writes(at=3)
     fit(MPPlugin("fp8", fp8=fp8), steps=5, callbacks=[writes])
     assert writes.checked
+
+
+def test_the_plugin_pickles_mid_fit_and_the_copy_trains_a_run_of_its_own(tmp_path):
+    """A copy of the plugin pickled mid-fit (FP8 layers, masters, the monitor's FP8 figures armed) holds nothing of the
+    run; the run goes on, and the copy trains a fresh model."""
+    import io
+    import pickle
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_mp import PrecisionMonitor
+
+    class Snap(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 2:
+                self.data = pickle.dumps(trainer.precision_plugin)
+                self.steps = trainer.precision_plugin.stats.steps
+
+    snap = Snap()
+    fit(plugin := MPPlugin("fp8", fp8=AO), steps=4, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1,
+        callbacks=[PrecisionMonitor(fp8_layers=True), snap])
+    assert plugin.stats.steps == 4
+    copied = pickle.load(io.BytesIO(snap.data))
+    assert copied.stats.steps == snap.steps == 3
+    model, _ = fit(copied, steps=2)
+    assert copied.stats.steps == 5 and model.fc1.weight.dtype == torch.float32

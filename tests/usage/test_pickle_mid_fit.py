@@ -328,3 +328,38 @@ def test_the_class_is_plain_after_fit_ends_with_an_exception(mode):
         pm_fit(mode, model, [PmSnapshot()])
     pm_assert_plain(model)
     assert "lr_scheduler_step" not in vars(PmModel)
+
+
+# ---------------------------------------------------------------------------------------------- the plugin mid-fit
+class PmPluginSnapshot(Callback):
+    """At the poisoned batch's end: the precision plugin pickled (``torch.save``) and deep-copied, as a checkpointing
+    or experiment-tracking callback may do with the Trainer's parts, and its counters kept."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if batch_idx == PM_POISONED:
+            plugin = trainer.precision_plugin
+            self.data, self.copy = pm_saved(plugin), copy.deepcopy(plugin)
+            self.stats, self.scale = plugin.stats.as_dict(), plugin.scaler.get_scale() if plugin.scaler else None
+
+
+@pytest.mark.parametrize("mode", OPT_MODES)
+def test_the_plugin_pickles_and_copies_mid_fit_and_the_copies_train_a_new_run(mode):
+    """The copies keep the counters and the loss scale of the moment, hold nothing of the run (the run goes on
+    bit-identical, its teardown leaves the module plain), and train a run of their own."""
+    snapshot = PmPluginSnapshot()
+    model, reference = PmModel(), PmModel()
+    trainer = pm_fit(mode, model, [snapshot])
+    pm_fit(mode, reference)
+    opt_assert_nested_equal(model.state_dict(), reference.state_dict(), "the run beside its copies")
+    pm_assert_plain(model)
+    loaded = pm_loaded(snapshot.data)
+    for copied in (loaded, snapshot.copy):
+        assert copied.stats.as_dict() == snapshot.stats and copied.stats.skipped_steps == 1
+        if snapshot.scale is not None:
+            assert copied.scaler.get_scale() == snapshot.scale
+        fresh = PmModel(poisoned=())
+        again = opt_trainer(copied, 2, [])
+        again.fit(fresh)
+        assert copied.stats.steps == snapshot.stats["steps"] + 2  # (the plugin's counters go on across runs)
+        pm_assert_plain(fresh)
+    assert trainer.precision_plugin.stats.steps == 5
