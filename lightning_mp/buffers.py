@@ -10,11 +10,50 @@ weight); a buffer of a module without parameters belongs to every optimizer.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Optional, cast
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+
+class _Registrations:
+    """Counts buffer slots and submodules registered anywhere in the process (torch's global registration hooks),
+    while a snapshot watches: a plan made before a new one appeared (a buffer registered during training, a
+    submodule added or swapped) is found again. A buffer re-assigned in its own slot is no new slot."""
+
+    generation = 0
+    watchers = 0
+    handles: list = []
+
+    @classmethod
+    def watch(cls) -> None:
+        if cls.watchers == 0:
+            from torch.nn.modules import module as torch_module
+
+            cls.handles = [
+                torch_module.register_module_buffer_registration_hook(cls._buffer),
+                torch_module.register_module_module_registration_hook(cls._submodule),
+            ]
+        cls.watchers += 1
+
+    @classmethod
+    def unwatch(cls) -> None:
+        cls.watchers = max(cls.watchers - 1, 0)
+        if cls.watchers == 0:
+            for handle in cls.handles:
+                handle.remove()
+            cls.handles = []
+
+    @classmethod
+    def _buffer(cls, module: nn.Module, name: str, tensor: Optional[Tensor]) -> None:
+        if name not in module._buffers:  # (called before the slot is written)
+            cls.generation += 1
+
+    @classmethod
+    def _submodule(cls, module: nn.Module, name: str, submodule: Optional[nn.Module]) -> None:
+        if module._modules.get(name) is not submodule:
+            cls.generation += 1
 
 
 class BufferSnapshot:
@@ -41,6 +80,12 @@ class BufferSnapshot:
         # the slots and their owners, found once and checked each step (a host walk per step costs more than the
         # copy itself on small models)
         self._plan: Optional[tuple[int, list[tuple[dict, str]], list[Optional[frozenset[int]]]]] = None
+        self._generation = -1  # the registrations' generation the plan was made at
+        self._watching = False  # whether this snapshot counts among the registrations' watchers
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (a plugin copied mid-run) watches nothing and makes its plan again."""
+        return {**self.__dict__, "_plan": None, "_watching": False}
 
     @property
     def taken(self) -> bool:
@@ -50,11 +95,25 @@ class BufferSnapshot:
         """The model or the optimizers changed (a new ``fit``): find the buffers and their owners again."""
         self._plan = None
 
+    def close(self) -> None:
+        """The run is over: stop watching registrations (the next :meth:`take` watches again)."""
+        if self._watching:
+            self._watching = False
+            _Registrations.unwatch()
+        self._plan = None
+
     def take(self, module: nn.Module, optimizers: Iterable[Optimizer]) -> None:
+        if not self._watching:
+            self._watching = True
+            _Registrations.watch()
+            self._plan = None  # (registrations before the watch were not counted)
         plan = self._plan
-        held = None if plan is None or plan[0] != id(module) else [slots.get(key) for slots, key in plan[1]]
+        current = plan is not None and plan[0] == id(module) and self._generation == _Registrations.generation
+        held = [slots.get(key) for slots, key in plan[1]] if current and plan is not None else None
         if plan is None or held is None or any(buf is None or buf.is_inference() for buf in held):
-            # (a new module, or a slot emptied or holding an inference tensor since: found again)
+            # (a new module, a buffer slot or submodule registered, or a slot emptied or holding an inference tensor
+            # since: found again)
+            self._generation = _Registrations.generation
             plan = self._plan = (id(module), *_find(module, optimizers))
             held = [slots[key] for slots, key in plan[1]]
         buffers = cast(list[Tensor], held)

@@ -19,6 +19,10 @@ LightningModule's class: a descriptor  (:mod:`lightning_mp.schedulers`)
 that holds the trained instance only                                   back once no instance is held)
 TF32 flags (``torch.backends``)        ``connect`` (``tf32=`` or the   ``teardown`` (the values found before)
                                        mode's)
+torch's global buffer and module      the first training step         ``teardown`` (the last run's end
+registration hooks (a counter: a                                       removes them)
+buffer or submodule registered
+mid-run is snapshot too)
 the FP8 backend's saturation watch     ``connect`` (fp8 with           ``teardown``
 (its amax reduction, hooks on its FP8  saturation checks)
 layers: :mod:`lightning_mp.fp8`)

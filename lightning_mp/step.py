@@ -119,9 +119,10 @@ class OptimizerSteps:
             self._overlap.install(optimizers, norm=2.0 if self.spike is not None else math.inf)
 
     def close(self) -> None:
-        """The run is over: the last batch ends, the gradient hooks go."""
+        """The run is over: the last batch ends, the gradient hooks go, the buffers' watch ends."""
         self.end_batch()
         self._overlap.remove()
+        self.buffers.close()
 
     def _window_starts(self) -> bool:
         """Whether this training batch is the first of an accumulation window (automatic optimization): Lightning

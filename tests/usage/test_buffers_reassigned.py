@@ -214,3 +214,44 @@ def test_buffers_reassigned_to_another_dtype_or_device_object_are_put_back(mode)
     assert_same(poison.before[POISONED], poison.after[POISONED], "the skipped step")
     assert model.hist.seen.shape == (4,)
     assert torch.isfinite(model.hist.seen).all()
+
+
+class LateNet(Net):
+    """Buffers and a submodule that appear during training: a buffer registered at the first training step (lazy
+    statistics), and at the second a tracker module added (``self.late = Tracker(16)``), both updated every step."""
+
+    def forward(self, x):
+        h = self.bn(torch.relu(self.l1(x)))
+        if not hasattr(self, "seen"):
+            self.register_buffer("seen", torch.zeros(16))
+        self.seen = self.seen + h.detach().float().abs().mean(0)
+        if self.global_step >= 1 and not hasattr(self, "late"):
+            self.late = Tracker(16).to(h.device)
+        if hasattr(self, "late"):
+            h = self.late(h)
+        return self.l2(self.norm(self.track(h)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_buffers_and_submodules_that_appear_during_training_are_put_back_too(mode, manual):
+    poison = Poison([POISONED])
+    plugin = plugin_for(mode)
+    make_trainer(plugin, max_steps=4, callbacks=[poison]).fit(LateNet(manual=manual))
+    assert plugin.stats.skipped_steps == 1
+    before, after = poison.before[POISONED], poison.after[POISONED]
+    assert {"seen", "late.ema", "late.calls"} <= set(before)  # (registered before the poisoned batch)
+    assert_same(before, after, f"{mode} skipped batch")
+
+
+def test_the_watch_on_registrations_ends_with_the_run():
+    """The global buffer and module registration hooks the snapshot counts with are torch's: gone after fit."""
+    from lightning_mp.buffers import _Registrations
+    from torch.nn.modules import module as torch_module
+
+    hooks = (len(torch_module._global_buffer_registration_hooks), len(torch_module._global_module_registration_hooks))
+    plugin = plugin_for("bf16")
+    make_trainer(plugin, max_steps=3, callbacks=[Poison([POISONED])]).fit(LateNet())
+    assert _Registrations.watchers == 0 and not _Registrations.handles
+    assert (len(torch_module._global_buffer_registration_hooks),
+            len(torch_module._global_module_registration_hooks)) == hooks
