@@ -9,6 +9,7 @@ weight); a buffer of a module without parameters belongs to every optimizer.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from typing import Any, Optional, cast
 
@@ -82,10 +83,11 @@ class BufferSnapshot:
         self._plan: Optional[tuple[int, list[tuple[dict, str]], list[Optional[frozenset[int]]]]] = None
         self._generation = -1  # the registrations' generation the plan was made at
         self._watching = False  # whether this snapshot counts among the registrations' watchers
+        self._unwatch: Optional[weakref.finalize] = None
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (a plugin copied mid-run) watches nothing and makes its plan again."""
-        return {**self.__dict__, "_plan": None, "_watching": False}
+        return {**self.__dict__, "_plan": None, "_watching": False, "_unwatch": None}
 
     @property
     def taken(self) -> bool:
@@ -99,13 +101,16 @@ class BufferSnapshot:
         """The run is over: stop watching registrations (the next :meth:`take` watches again)."""
         if self._watching:
             self._watching = False
-            _Registrations.unwatch()
+            if self._unwatch is not None:
+                self._unwatch()  # (once: the finalizer is spent)
         self._plan = None
 
     def take(self, module: nn.Module, optimizers: Iterable[Optimizer]) -> None:
         if not self._watching:
             self._watching = True
             _Registrations.watch()
+            # (a snapshot dropped without close, e.g. a run that never tore down, stops watching when collected)
+            self._unwatch = weakref.finalize(self, _Registrations.unwatch)
             self._plan = None  # (registrations before the watch were not counted)
         plan = self._plan
         current = plan is not None and plan[0] == id(module) and self._generation == _Registrations.generation
