@@ -82,12 +82,13 @@ class BufferSnapshot:
         # copy itself on small models)
         self._plan: Optional[tuple[int, list[tuple[dict, str]], list[Optional[frozenset[int]]]]] = None
         self._generation = -1  # the registrations' generation the plan was made at
-        self._watching = False  # whether this snapshot counts among the registrations' watchers
+        #: while this snapshot counts among the registrations' watchers: what ends that (alive until called, or until
+        #: the snapshot is collected)
         self._unwatch: Optional[weakref.finalize] = None
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (a plugin copied mid-run) watches nothing and makes its plan again."""
-        return {**self.__dict__, "_plan": None, "_watching": False, "_unwatch": None}
+        return {**self.__dict__, "_plan": None, "_unwatch": None}
 
     @property
     def taken(self) -> bool:
@@ -99,22 +100,20 @@ class BufferSnapshot:
 
     def close(self) -> None:
         """The run is over: stop watching registrations (the next :meth:`take` watches again)."""
-        if self._watching:
-            self._watching = False
-            if self._unwatch is not None:
-                self._unwatch()  # (once: the finalizer is spent)
+        if self._unwatch is not None:
+            self._unwatch()  # (a spent finalizer does nothing)
+            self._unwatch = None
         self._plan = None
 
     def take(self, module: nn.Module, optimizers: Iterable[Optimizer]) -> None:
-        if not self._watching:
-            self._watching = True
+        if self._unwatch is None:
             _Registrations.watch()
             # (a snapshot dropped without close, e.g. a run that never tore down, stops watching when collected)
             self._unwatch = weakref.finalize(self, _Registrations.unwatch)
             self._plan = None  # (registrations before the watch were not counted)
         plan = self._plan
         current = plan is not None and plan[0] == id(module) and self._generation == _Registrations.generation
-        held = [slots.get(key) for slots, key in plan[1]] if current and plan is not None else None
+        held = [slots.get(key) for slots, key in plan[1]] if plan is not None and current else None
         if plan is None or held is None or any(buf is None or buf.is_inference() for buf in held):
             # (a new module, a buffer slot or submodule registered, or a slot emptied or holding an inference tensor
             # since: found again)

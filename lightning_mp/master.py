@@ -1431,7 +1431,10 @@ class KahanCompensation(MasterWeights):
 
     def load_fp32_values(self, values: dict[str, Tensor]) -> int:
         def take(held: Tensor, param: Tensor, value: Optional[Tensor]) -> None:
-            held.copy_(value - param.float()) if value is not None else held.zero_()  # (the compensation)
+            if value is None:  # (the weight is the truth: no compensation)
+                held.zero_()
+            else:
+                held.copy_(value - param.float())
 
         return _take_fp32_values(self._entry_by_name(), values, take)
 

@@ -113,7 +113,7 @@ def _weights_clauses(plugin: Any, mode: Any) -> list[str]:
             f" {plugin.fp8_config.recipe} scaling",
             "autocast bf16 for the rest",
             _fp8_weights(plugin) + (f", {plugin.master_weights} master weights"
-                                                 if plugin.master_weights not in (None, "none") else ""),
+                                    if plugin.master_weights not in (None, "none") else ""),
         ]
     if mode.true_half:
         assert mode.param_dtype is not None  # true-half modes cast the weights

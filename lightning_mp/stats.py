@@ -343,15 +343,12 @@ class StepStats:
     def set_namer(self, namer: Optional[Callable[[Tensor], Optional[str]]]) -> None:
         self._namer = namer
 
-    def set_fp8_layers(self, read: Optional[Callable[[], dict[str, dict[str, float]]]]) -> None:
-        self._fp8_layers = read
-
     def set_fp8(self, backend: Optional[Any]) -> None:
         """The run's FP8 backend (``None``: not an FP8 run): its ``layer_stats`` for :meth:`fp8_layers`, and a share
         probe on its layers for :meth:`arm_fp8_shares`."""
         from lightning_mp.fp8.shares import FP8ShareProbe  # (imports neither Transformer Engine nor torchao)
 
-        self.set_fp8_layers(backend.layer_stats if backend is not None else None)
+        self._fp8_layers = backend.layer_stats if backend is not None else None
         self.set_fp8_shares(FP8ShareProbe(backend) if backend is not None else None)
 
     def fp8_layers(self) -> dict[str, dict[str, float]]:

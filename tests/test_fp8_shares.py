@@ -20,6 +20,7 @@ from lightning_mp import MPPlugin, PrecisionMonitor
 from lightning_mp.fp8.shares import FP8ShareProbe, TensorCast, lost_counts, te_layers
 from lightning_mp.tools.compare_engine import ModeResult, _merge_headroom
 from lightning_mp.tools.compare_report import format_table
+from test_callbacks_monitor import _FP8Net  # (the monitor tests' two-layer model)
 
 try:
     import torchao.float8  # noqa: F401
@@ -102,20 +103,13 @@ def test_underflow_counts_what_torchaos_own_cast_rounds_to_zero(granularity, dty
 
 
 # --------------------------------------------------------------------------------------------- through the Trainer
-class Net(LightningModule):
-    """Two FP8 layers; the first one's input has a quarter of tiny values (``TINY``, rounded to zero by any scaling
-    from the row's or tensor's largest |value| of 1), the rest +-[0.5, 1]."""
+class Net(_FP8Net):
+    """Two FP8 layers (the monitor tests' model); the first one's input has a quarter of tiny values (``TINY``,
+    rounded to zero by any scaling from the row's or tensor's largest |value| of 1), the rest +-[0.5, 1]."""
 
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
-
-    def training_step(self, batch, batch_idx):
-        x = batch[0]
-        loss = (self.net(x).float() - x).pow(2).mean()
-        self.log("loss", loss)
-        return loss
+        super().__init__()
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
@@ -123,9 +117,6 @@ class Net(LightningModule):
         x[:, ::4] = TINY
         x[:, 1] = 1.0  # every row (and the tensor) has its amax at 1
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=16)
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
 class Hooks(Callback):

@@ -31,12 +31,12 @@ from lightning_mp.guards import fp32_guard_of
 
 log = logging.getLogger(__name__)
 
-#: the parameters' dtype (``"fp8"``: FP8 primary weights whose nominal dtype, and their gradients', is fp32)
 def weights_phrase(weights: str) -> str:
     """How a settled ``fp8={"weights": ...}`` layout reads in a report line."""
     return "fp32 weights in the FP8 layers, bf16 elsewhere" if weights == "mixed" else f"{weights} weights"
 
 
+#: the parameters' dtype (``"fp8"``: FP8 primary weights whose nominal dtype, and their gradients', is fp32)
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float32}
 
 

@@ -107,12 +107,12 @@ from torch import Tensor, nn
 
 from lightning_mp.fp8.config import FP8Config
 from lightning_mp.fp8.convert import (
-    weights_phrase,
     ConversionReport,
     ModuleRecord,
     apply_weights_dtype,
     replace_at,
     submodules_at_paths,
+    weights_phrase,
 )
 from lightning_mp.fp8.filters import ModuleFilter, ModuleFilterFn
 from lightning_mp.fp8.support import FP8_MIN_CAPABILITY, FP8UnavailableError, device_problem
@@ -623,8 +623,8 @@ class TorchAOFloat8:
             )
         if self.config.weights == "fp8" and self.config.recipe != "tensorwise":
             raise ValueError(_FP8_WEIGHTS_TENSORWISE_ONLY)
-        #: the dtype the model's weights are kept in ("auto" settled: bf16, as ``backend.settle_weights`` does for one
-        #: device; the plugins settle it per strategy)
+        #: the dtype the model's weights are kept in ("auto" used alone: bf16; the plugins settle it per strategy and
+        #: master weights, :func:`lightning_mp.fp8.config.settle_weights`)
         self.weights = "bf16" if self.config.weights == "auto" else str(self.config.weights)
         self.compile_layers = compile_layers
         #: the torch.compile backend of the layers' forwards (tests use "eager" or "aot_eager")

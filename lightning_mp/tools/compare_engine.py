@@ -646,7 +646,8 @@ def _fit(p, scheduler, schedule, device_type, seed, initial_state, trainer_kwarg
                 kwargs["master_weights"] = master
             plugin = MPPlugin(precision, **kwargs)
             precision_kwargs = {"plugins": [plugin]}
-        fp8 = not native and mode.partition(":")[0] == "fp8"  # (its layers' lost shares, on the monitor's steps)
+        # (an fp8 mode: its layers' lost shares, on the monitor's steps)
+        fp8 = plugin is not None and plugin.mode is not None and plugin.mode.fp8
         monitor = (PrecisionMonitor(log_every_n_steps=monitor_every, layer_stats=True, fp8_layers=fp8)
                    if monitor_every else None)
         pace = _make_pace(p, scheduler, device_type, untimed, schedule.memory_step, monitor)

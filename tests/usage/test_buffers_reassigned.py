@@ -256,7 +256,7 @@ def test_the_watch_on_registrations_ends_with_the_run():
     watchers = _Registrations.watchers
     plugin = plugin_for("bf16")
     make_trainer(plugin, max_steps=3, callbacks=[Poison([POISONED])]).fit(LateNet())
-    assert _Registrations.watchers == watchers and not plugin._steps.buffers._watching
+    assert _Registrations.watchers == watchers and plugin._steps.buffers._unwatch is None
     assert (len(torch_module._global_buffer_registration_hooks),
             len(torch_module._global_module_registration_hooks)) == hooks
     if watchers == 0:  # (alone in the process: nothing of ours is left on torch)
