@@ -304,7 +304,7 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
             def run_closure() -> Any:
                 result.append(closure())
                 return result[-1]
-        out = steps.run(optimizer, _FABRIC_LOOP, run_closure, _nothing, **kwargs)
+        out = steps.run(optimizer, _FABRIC_LOOP, run_closure, lambda: steps.loop_ran(optimizer), **kwargs)
         if self._run.fp8 is not None:
             self._run.fp8.weights_updated()  # FP8 weight casts cached across micro-batches expire
         # (torch's step returns the closure's loss: so does this one where the closure ran before the step)
@@ -318,8 +318,11 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
 
     @override
     def main_params(self, optimizer: Optimizer) -> Any:
-        steps = self._steps
-        return steps.main_params(optimizer) if steps is not None else Precision.main_params(self, optimizer)
+        """What ``fabric.clip_gradients`` clips: the optimizer's own parameters, whose gradients the loop reads and
+        writes afterwards (true-half: the half gradients, holding the true ones; the step takes them as its fp32
+        gradients). Fabric calls nothing after clipping, so clipping fp32 stand-ins would leave the loop reading
+        gradients that are not the ones stepped."""
+        return Precision.main_params(self, optimizer)
 
     # ------------------------------------------------------------------ checkpoints
     @override

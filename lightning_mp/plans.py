@@ -83,6 +83,9 @@ class OptimizerState:
     stats: OptimizerStats = field(default_factory=OptimizerStats)
     #: the plan of its steps, made at its first step and kept (``None``: not made yet; see ``OptimizerSteps._plan``)
     plan: Optional[Plan] = None
+    #: prepared before the step was asked for (by clipping): what the loop did since (read, wrote ``.grad``) is
+    #: taken at the step
+    early: bool = False
 
 
 @dataclass

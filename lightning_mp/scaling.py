@@ -236,6 +236,23 @@ class DynamicLossScaler(ProtocolStates, torch.amp.GradScaler):
         # torch only refuses them because unscaling could underflow them.
         return super()._unscale_grads_(verdict.real_gradients(optimizer), inv_scale, found_inf, True)
 
+    def rescale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Undo :meth:`unscale_` of a step that is abandoned (prepared, then never taken): the gradients that remain
+        (those the loop did not zero) are multiplied by the scale again, so the next backward adds to gradients in
+        the same units, as if they had never been unscaled. The optimizer's verdict is not touched here."""
+        state = self.optimizer_state(optimizer)
+        if state is None or state["stage"] is not OptState.UNSCALED or self._scale is None:
+            return
+        per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is not None and not grad.is_sparse:
+                    per_device[grad.device].append(grad)
+        with torch.no_grad():
+            for device, grads in per_device.items():
+                torch._foreach_mul_(grads, self._scale.to(device))
+
     def _check_for_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a fused optimizer's step: find inf/NaN without unscaling (its kernel unscales), as torch does."""
         self._check_inf_per_device(optimizer)

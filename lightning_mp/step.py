@@ -162,6 +162,9 @@ class OptimizerSteps:
         At the first batch of an accumulation window, where Lightning zeroes the gradients, what an earlier window
         left behind goes too: a window cut short (``on_train_batch_start`` returning -1, the epoch's end) never
         stepped, and its fp32 gradient sums, loss sum and buffer snapshot must not reach the next step."""
+        if self.abandon_prepared():  # its forward's buffer changes stay, as without the plugin
+            self.buffers.drop()
+            self._loss = None
         if self._window_starts():
             if self.masters is not None:
                 self.masters.drop_sums()
@@ -192,6 +195,8 @@ class OptimizerSteps:
         ``no_sync`` the sums are this rank's: they are reduced (in fp32) while the window's last backward runs,
         whose half gradients DDP reduces as usual.
         """
+        if self.abandon_prepared():
+            self._loss = None  # (the spike guard judges what backward ran on since the last step taken)
         if self.spike is not None and isinstance(loss, Tensor) and loss.numel() == 1:
             loss = loss.detach().reshape(()).float()
             self._loss = loss if self._loss is None else self._loss + loss
@@ -237,7 +242,7 @@ class OptimizerSteps:
             scaler.verdicts.forget(optimizer)
             self._batch_verdicts.append(cast("Tensor | bool", outcome.scale_verdict))
         state.stats.record(outcome.skipped, outcome.flag)
-        state.norm = None
+        state.norm, state.early = None, False
         automatic = model.automatic_optimization
         if automatic:
             if self.release_grads:
@@ -272,9 +277,11 @@ class OptimizerSteps:
 
     def prepare(self, optimizer: Optimizer, state: Optional[OptimizerState] = None) -> None:
         """READY → PREPARED: gather fp32 gradients (true-half), unscale them (fp16). Idempotent."""
-        state = state or self._state(optimizer)  # (the general plan hands its own)
+        early = state is None  # (a host's clipping, before the step; the general plan hands its own state)
+        state = state or self._state(optimizer)
         if state.stage is Stage.PREPARED:
             return
+        state.early = early
         # (STEPPED: manual optimization steps this optimizer again in one training step; the loss scale still
         # moves once, when the batch ends, so both steps unscale by the scale their backward used)
         scaler = self._scaler
@@ -298,6 +305,12 @@ class OptimizerSteps:
             state.dirty = True
         if writes:
             state.dirty = True
+
+    def loop_ran(self, optimizer: Optimizer) -> None:
+        """A loop's step (Fabric): where the step was prepared early (by clipping), what the loop read or wrote in the
+        gradients since is what the step applies, as after hooks."""
+        if self._state(optimizer).early:
+            self.hooks_ran(optimizer)
 
     def check_before_clamp(self, optimizer: Optimizer) -> None:
         """Clipping by value is about to clamp: an inf must be seen before it becomes a finite number."""
@@ -367,15 +380,28 @@ class OptimizerSteps:
         return self._hooks_write
 
     def _abandon(self, state: OptimizerState) -> None:
-        """Drop a prepared step that never ran (an error inside it, or clipped in manual optimization and not
-        stepped): the stand-ins' gradients go, the parameters keep their values, the scaler forgets it."""
+        """PREPARED -> READY for a step that is not taken (an error inside it; clipped, then left out by the loop),
+        as if it had never been prepared: the stand-ins and their gradients go (the parameters keep their values),
+        the verdict goes, unscaled gradients get the loss scale back, an FP8 saturation flag of its forward goes."""
         if state.records is not None:
             assert self.masters is not None  # records: gathered by the masters
             self.masters.write_back(state.records, skipped=True)  # (the stand-ins stand in only inside a `with`)
             state.records = None
         if self.scaler is not None:
-            self.scaler.verdicts.forget(state.optimizer)
-        state.stage = Stage.READY
+            self.scaler.verdicts.abandon(state.optimizer)
+        if self.saturation is not None:
+            self.saturation()  # (taken and dropped: the next step's forward sets its own)
+        state.stage, state.dirty, state.norm, state.early = Stage.READY, True, None, False
+
+    def abandon_prepared(self) -> bool:
+        """Undo every step prepared and not taken (a loop that clipped, then went on without ``optimizer.step()``),
+        before a backward or a training forward would mix it into the next step. Returns whether there was one."""
+        abandoned = False
+        for state in self._optimizers.values():
+            if state.stage is Stage.PREPARED:
+                self._abandon(state)
+                abandoned = True
+        return abandoned
 
     # ------------------------------------------------------------------ after the step
     def _update_scale(self) -> None:
