@@ -26,7 +26,6 @@ from typing import Any, Callable, Optional, cast
 import torch
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
-from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_utilities import apply_to_collection
@@ -36,30 +35,14 @@ from typing_extensions import override
 
 import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import _load_master_weights, load_plugin_state, normalise, plugin_state
-from lightning_mp.guards import FP32GuardSpec, guard_for_run
-from lightning_mp.master import release_fp32_state_loading
+from lightning_mp.guards import guard_for_run
+from lightning_mp.host import LoopHost
 from lightning_mp.modes import MODES, PrecisionMode
 from lightning_mp.options import announce
 from lightning_mp.settings import MPSettings
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.surface import PrecisionRun
 from lightning_mp.true_half import cast_weights_
-
-
-class _FabricLoop:
-    """What :meth:`OptimizerSteps.run` reads of the model it steps, for a Fabric loop: each ``optimizer.step()``
-    is a whole step (its closure, if any, evaluated first; the loss scale moves and the buffer snapshot goes right
-    after it), and there is no Trainer. The loop itself runs forward, backward and ``zero_grad``."""
-
-    automatic_optimization = True
-    _trainer = None
-
-
-_FABRIC_LOOP = cast(LightningModule, _FabricLoop())
-
-
-def _nothing() -> None:
-    """No hooks run between Fabric's clipping and the step: the user's loop calls both."""
 
 
 # (precision and the others are read-only views here of attributes Lightning's base declares writable)
@@ -143,15 +126,6 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
         self._patches.add(f"fp32 weights of the guarded modules of {type(module).__name__}",
                           cast_weights_(module, self.mode, guarded))  # fmt: skip
 
-    def _fp32_guard_spec(self, device_type: Optional[str]) -> FP32GuardSpec:
-        """The FP32 guards of this run: ``fp32_modules`` as the mode (and, for autocast, the device) uses them."""
-        spec, mode = self.fp32_guards, self.mode
-        if mode is not None and not mode.true_half and (device_type or self.device) == "cuda":
-            spec = spec.without_autocast_fp32()  # CUDA autocast computes these in fp32 already
-        if mode is not None and mode.param_dtype is torch.bfloat16 and self._weights.kind(mode) != "none":
-            spec = spec.with_native_layer_norm()  # torch's LayerNorm on bf16 computes in fp32; masters keep fp32
-        return spec
-
     def _connected(self, optimizers: Sequence[Optimizer] = ()) -> OptimizerSteps:
         """The run's step, set up at the first contact after ``fabric.setup``, on the parameters' device, with the
         optimizers known by then (``optimizers``: given to :meth:`setup_optimizers`)."""
@@ -174,21 +148,8 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
         announce(self)
         self.stats.set_scaler(run.scaler)
         distributed.connect(container, run.scaler, None, None, [])  # under DDP every rank takes the worst verdict
-        masters = self._weights.connect(self.active_mode, container, self._optimizers, fsdp=False, device=device)
-        if masters is not None:  # the optimizers' state loading keeps fp32 while the run lasts (and joiners')
-            joined = self._optimizers
-            self._patches.add("fp32 state loading of the run's optimizers", lambda: release_fp32_state_loading(joined))
-        fp8 = run.fp8 if run.fp8 is not None and self.active_mode.fp8 else None
-        steps = OptimizerSteps(
-            run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
-            saturation=fp8.sentinel.take if fp8 is not None else None, spike=self._spike, release_grads=False,
-        )  # fmt: skip
-        steps.connect(None, self._optimizers)
-        self._steps = steps
-        self.stats.set_namer(self._weights.namer(container))
-        self.stats.set_fp8(fp8)  # layer_stats, and the probe of saturated and underflowing shares
-        run.connect_fp8(None, device, watch=run.scaler is not None, optimizers=self._optimizers)
-        return steps
+        # (each optimizer.step() a whole step; optimizers that join later join this list)
+        return self._open_steps(LoopHost(self.stats), container, self._optimizers, device=device)
 
     @property
     def active_mode(self) -> PrecisionMode:
@@ -299,12 +260,12 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
         closure: Optional[Callable[[], Any]] = kwargs.pop("closure", None)
         result: list[Any] = []
         if closure is None:
-            run_closure: Callable[[], Any] = _nothing
+            run_closure: Callable[[], Any] = _no_closure
         else:
             def run_closure() -> Any:
                 result.append(closure())
                 return result[-1]
-        out = steps.run(optimizer, _FABRIC_LOOP, run_closure, lambda: steps.loop_ran(optimizer), **kwargs)
+        out = steps.run(optimizer, run_closure, lambda: steps.loop_ran(optimizer), **kwargs)
         if self._run.fp8 is not None:
             self._run.fp8.weights_updated()  # FP8 weight casts cached across micro-batches expire
         # (torch's step returns the closure's loss: so does this one where the closure ran before the step)
@@ -381,6 +342,10 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
             self._patches.undo_all()
 
 
+def _no_closure() -> None:
+    """``optimizer.step()`` without a closure: the loop ran forward and backward itself."""
+
+
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(getattr(optimizer, "param_groups", None), list):
         raise MisconfigurationException(
@@ -392,13 +357,6 @@ def _check_optimizer(optimizer: Any) -> None:
 def _unwrap(optimizer: Any) -> Optimizer:
     """The torch optimizer inside Fabric's ``_FabricOptimizer``."""
     return getattr(optimizer, "optimizer", optimizer) if hasattr(optimizer, "_strategy") else optimizer
-
-
-def _loss_scaler(scaler: Any) -> Any:
-    """The scaler that scales the loss (the user's own where one was given), not the inf/NaN guard of other modes."""
-    if scaler is None or not getattr(scaler, "scaling", True):
-        return None
-    return getattr(scaler, "twin", None) or scaler
 
 
 def _refuse_wrapper_dtypes(settings: MPSettings) -> None:

@@ -51,6 +51,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import LBFGS, Optimizer
 
 import lightning_mp.verdict as checks
+from lightning_mp.host import Host
 from lightning_mp.master import MasterWeights, StepRecords, wrapped_optimizers
 from lightning_mp.nonfinite import StepGuard
 from lightning_mp.overlap import OverlappedCheck
@@ -111,21 +112,23 @@ class Steps(Protocol):
     masters: Optional[MasterWeights]
     saturation: Optional[Callable[[], Optional[Tensor]]]
     spike: Optional[SpikeGuard]
-    _loss: Optional[Tensor]
-    _last_loss: Optional[Tensor]
-    _flags: checks.ZeroFlags
-    _overlap: OverlappedCheck
+    #: what backward ran on since the last step taken; the loss of this batch's last judged step (the spike guard's)
+    loss: Optional[Tensor]
+    last_loss: Optional[Tensor]
+    flags: checks.ZeroFlags
+    overlap: OverlappedCheck
+    host: Host
 
     @property
     def scaler(self) -> Optional[StepGuard]: ...
 
     def prepare(self, optimizer: Optimizer, state: Optional[OptimizerState] = None) -> None: ...
 
-    def _abandon(self, state: OptimizerState) -> None: ...
+    def abandon(self, state: OptimizerState) -> None: ...
 
-    def _check(self, optimizer: Optimizer, state: OptimizerState) -> None: ...
+    def check(self, optimizer: Optimizer, state: OptimizerState) -> None: ...
 
-    def _standing_in(self, state: OptimizerState) -> Any: ...
+    def standing_in(self, state: OptimizerState) -> Any: ...
 
 
 class Plan(Protocol):
@@ -146,7 +149,7 @@ class CheckOnlyPlan:
 
     def __init__(self, steps: Steps, state: OptimizerState, scaler: StepGuard, fused: bool) -> None:
         self.kind = _CHECK_ONLY_FUSED if fused else _CHECK_ONLY
-        self.steps, self.state, self.scaler, self.flags = steps, state, scaler, steps._flags
+        self.steps, self.state, self.scaler, self.flags = steps, state, scaler, steps.flags
         self.check = checks.PlannedCheck.of(state.optimizer)  # (``None``: the general check)
         if fused:
             self.run = self._run_fused  # type: ignore[method-assign]  # (chosen once: no branch a step)
@@ -163,7 +166,7 @@ class CheckOnlyPlan:
             and steps.masters is None
             and steps.spike is None
             and steps.saturation is None
-            and not steps._overlap.installed
+            and not steps.overlap.installed
             and automatic
         )
 
@@ -180,7 +183,7 @@ class CheckOnlyPlan:
             found = check.found_inf(flag) if check is not None else None
             return checks.check_grads_(optimizer, flag) if found is None else found
         if state.dirty:  # a configure_gradient_clipping override wrote after the norm was taken
-            self.steps._check(optimizer, state)
+            self.steps.check(optimizer, state)
         return scaler.verdicts.found(optimizer)
 
     def run(
@@ -197,7 +200,7 @@ class CheckOnlyPlan:
             state.stage = Stage.STEPPED
         finally:
             if state.stage is Stage.PREPARED:
-                self.steps._abandon(state)  # an error inside the step
+                self.steps.abandon(state)  # an error inside the step
         return out, Outcome(skipped, None, skipped)
 
     def _run_fused(
@@ -218,7 +221,7 @@ class CheckOnlyPlan:
             state.stage = Stage.STEPPED
         finally:
             if state.stage is Stage.PREPARED:
-                self.steps._abandon(state)  # an error inside the step
+                self.steps.abandon(state)  # an error inside the step
         # (the scale moves on the flag itself: a 0-dim fp32 flag is its own ``one_flag``)
         return out, Outcome(None, verdict, verdict)
 
@@ -337,11 +340,11 @@ class GeneralPlan:
             return self._step(optimizer, kwargs)
         finally:
             if state.stage is Stage.PREPARED:
-                self.steps._abandon(state)  # an error inside the step
+                self.steps.abandon(state)  # an error inside the step
 
     def _step_unchecked(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> tuple[Any, Outcome]:
         state = self.state
-        with self.steps._standing_in(state):
+        with self.steps.standing_in(state):
             out = optimizer.step(**kwargs)
         state.stage = Stage.STEPPED
         return out, Outcome(False, None, None, state.records)
@@ -354,7 +357,7 @@ class GeneralPlan:
             MasterWeights.swap_in(records)
         try:
             if state.dirty:
-                steps._check(optimizer, state)
+                steps.check(optimizer, state)
             if steps.saturation is not None:
                 saturated = steps.saturation()  # an inf an FP8 cast made finite: skip the step too
                 if saturated is not None:
@@ -393,7 +396,7 @@ class GeneralPlan:
         else:
             inf_only = inf_only.reshape(()).float().clone()
         norm = state.norm if state.norm is not None else total_grad_norm(optimizer, sharded=scaler.sharded)
-        loss = steps._loss if steps._loss is not None else steps._last_loss
+        loss = steps.loss if steps.loss is not None else steps.last_loss
         if loss is None and norm is None:  # nothing to judge (no backward, no gradient)
             spike = torch.zeros((), dtype=torch.bool, device=scaler.scale_device)
         else:
@@ -408,11 +411,11 @@ def first_verdict(steps: Steps, optimizer: Optimizer, state: OptimizerState, sca
     backward; ``state.dirty`` says whether the verdict must still look (stage 6)."""
     check_only = scaler is not None and not scaler.scaling
     # the figures taken during backward (large models), where they hold for the gradients the step applies
-    overlapped = steps._overlap.installed and (state.records is None or state.records.plain)
-    if steps._overlap.installed and not overlapped:
-        steps._overlap.forget()
+    overlapped = steps.overlap.installed and (state.records is None or state.records.plain)
+    if steps.overlap.installed and not overlapped:
+        steps.overlap.forget()
     if scaler is not None and scaler.scaling:
-        with steps._standing_in(state):
+        with steps.standing_in(state):
             scaler.unscale_(optimizer)
         state.dirty = False
     elif state.records is not None and state.records.found is not None:
@@ -422,26 +425,25 @@ def first_verdict(steps: Steps, optimizer: Optimizer, state: OptimizerState, sca
         assert scaler is not None  # check_only
         # the spike guard needs the total gradient norm, which is inf/NaN when a gradient is: one pass for both
         # (taken during backward for large models)
-        norm = steps._overlap.verdict(optimizer) if overlapped else None
+        norm = steps.overlap.verdict(optimizer) if overlapped else None
         if norm is None:
-            with steps._standing_in(state):
+            with steps.standing_in(state):
                 norm = total_grad_norm(optimizer, sharded=scaler.sharded)
         state.norm = norm
         state.dirty = norm is None or not scaler.verdicts.take_total_(optimizer, norm)
     else:
         # the maxima taken during backward, where every gradient has one (large models, check-only modes)
-        early = steps._overlap.verdict(optimizer) if check_only and overlapped else None
+        early = steps.overlap.verdict(optimizer) if check_only and overlapped else None
         state.dirty = early is None or not cast(StepGuard, scaler).verdicts.take_total_(optimizer, early)
 
 
 def divergence_error(
-    steps: Steps, state: OptimizerState, model: Any, streak: tuple[int, int], *, several: bool
+    steps: Steps, state: OptimizerState, streak: tuple[int, int], *, several: bool
 ) -> NonFiniteTrainingError:
     """The divergence stop's error, after ``streak`` = (skipped steps in a row, ``max_consecutive_skips``): why the
     steps were skipped, and what to do."""
     consecutive, limit = streak
-    trainer = getattr(model, "_trainer", None)
-    step = trainer.global_step if trainer is not None else "?"
+    step = steps.host.global_step()
     scaler = steps.scaler
     scale = scaler.get_scale() if scaler is not None and scaler.scaling else None
     advice = (

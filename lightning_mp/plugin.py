@@ -26,13 +26,13 @@ from typing_extensions import override
 
 import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import lightning_scaler_state, load_plugin_state, plugin_state
-from lightning_mp.guards import FP32GuardSpec, guard_for_run
-from lightning_mp.master import fp32_state_dict_, release_fp32_state_loading
+from lightning_mp.host import TrainerHost
+from lightning_mp.guards import guard_for_run
+from lightning_mp.master import fp32_state_dict_
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.options import announce
 from lightning_mp.schedulers import SchedulerHold
 from lightning_mp.settings import MPSettings
-from lightning_mp.step import OptimizerSteps
 from lightning_mp.step_hooks import StepHooks
 from lightning_mp.surface import PrecisionRun
 from lightning_mp.true_half import cast_weights_
@@ -133,17 +133,6 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         self._converted = module
         return module
 
-    def _fp32_guard_spec(self, device_type: str) -> FP32GuardSpec:
-        """The FP32 guards this run installs: ``fp32_modules`` as the mode and device use it."""
-        spec, mode = self.fp32_guards, self.mode
-        if mode is not None and not mode.true_half and device_type == "cuda":
-            # fp32 weights: CUDA autocast (any mode a schedule switches to) and FP8 norms run these in fp32 already
-            spec = spec.without_autocast_fp32()
-        if mode is not None and mode.param_dtype is torch.bfloat16 and self._weights.kind(mode) != "none":
-            spec = spec.with_native_layer_norm()  # (the defaults: torch's LayerNorm on bf16, masters keep fp32 values)
-        return spec
-
-    @override
     def connect(self, model: Any, optimizers: list, lr_schedulers: list) -> tuple[Any, list, list]:
         module = distributed.unwrap_lightning_module(model)
         device = distributed.root_device(module, model)
@@ -156,23 +145,13 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         fp8 = self._fp8 if mode.fp8 else None
         self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=fp8)
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
-        fsdp = self._fsdp_root is not None
-        masters = self._weights.connect(mode, module or model, raw, fsdp=fsdp, device=device)
-        if masters is not None:  # (their state loading keeps fp32 while the run lasts)
-            self._patches.add(f"fp32 state loading of {len(raw)} optimizers", lambda: release_fp32_state_loading(raw))
-        self._steps = OptimizerSteps(
-            self._run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
-            saturation=fp8.sentinel.take if fp8 is not None else None,
-            spike=self._spike, release_grads=self.release_grads_after_step and module is not None
-            and not is_overridden("optimizer_zero_grad", module, LightningModule),
-        )  # fmt: skip
-        self._steps.connect(module, raw)
-        self.stats.set_namer(self._weights.namer(module or model))
-        self.stats.set_fp8(fp8)  # layer_stats, and the probe of saturated and underflowing shares
+        release = self.release_grads_after_step and module is not None and not is_overridden(
+            "optimizer_zero_grad", module, LightningModule)  # fmt: skip
+        steps = self._open_steps(TrainerHost(module), module or model, raw, device=device,
+                                 fsdp=self._fsdp_root is not None, release_grads=release, module=module)  # fmt: skip
         if self.hold_schedulers_on_skip and self._run.scaler is not None:
-            if self._hold.install(module, lr_schedulers, skipped_for=self._steps.skipped_for):
+            if self._hold.install(module, lr_schedulers, skipped_for=steps.skipped_for):
                 self._patches.add(f"lr_scheduler_step on {type(module).__name__}", self._hold.remove)
-        self._run.connect_fp8(module, device, watch=self._run.scaler is not None, optimizers=raw)
         return model, optimizers, lr_schedulers
 
     @override
@@ -270,14 +249,6 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         # a checkpoint written with Lightning's precision="16-mixed" keeps its scale when resumed here
         if type(self).__qualname__ not in checkpoint and "MixedPrecision" in checkpoint:
             self.load_state_dict(checkpoint["MixedPrecision"])
-
-
-def _loss_scaler(scaler: Any) -> Any:
-    """What ``MPPlugin.scaler`` shows: the scaler that scales the loss (the user's own where one was given), not the
-    inf/NaN check of a mode without a loss scale."""
-    if scaler is None or not getattr(scaler, "scaling", True):
-        return None
-    return getattr(scaler, "twin", None) or scaler
 
 
 class _ThenOnSuccess:

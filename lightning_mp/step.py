@@ -13,14 +13,13 @@ from collections.abc import Iterable
 from typing import Any, Callable, Optional, cast
 
 import torch
-from lightning.pytorch import Callback, LightningModule
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_mp.buffers import BufferSnapshot
 from lightning_mp.distributed import FP32SumReduction, grads_synced
+from lightning_mp.host import Host, host_of
 from lightning_mp.master import MasterWeights
 from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.plans import (
@@ -66,25 +65,23 @@ class OptimizerSteps:
         self.max_consecutive_skips = max_consecutive_skips
         self.saturation = saturation
         self.spike = spike
-        self._loss: Optional[Tensor] = None  # what backward ran on since the last step (the spike guard's figure)
-        self._last_loss: Optional[Tensor] = None  # manual optimization: the loss of this batch's last judged step
+        self.loss: Optional[Tensor] = None  # what backward ran on since the last step (the spike guard's figure)
+        self.last_loss: Optional[Tensor] = None  # manual optimization: the loss of this batch's last judged step
         self.release_grads = release_grads
         self.buffers = BufferSnapshot()
         self._optimizers: dict[int, OptimizerState] = {}
         self._batch_verdicts: list[Tensor | bool] = []  # this batch's verdicts, for the one scale update
         self._carry_sums = False
         self._sums = FP32SumReduction()
-        self._hooks_write: Optional[tuple[bool, bool]] = None
-        self._module: Optional[LightningModule] = None
-        self._trainer: Any = None
-        self._overlap = OverlappedCheck()
-        self._flags = checks.ZeroFlags()  # the check-only plans' verdict flags
+        self.host: Host = host_of(None)
+        self.overlap = OverlappedCheck()
+        self.flags = checks.ZeroFlags()  # the check-only plans' verdict flags
 
     def __getstate__(self) -> dict[str, Any]:
         """A copy (a plugin pickled or deep-copied mid-run) keeps the counters, plans and records, not the run's
-        module, trainer or gradient hooks: the next run's :meth:`open` binds its own."""
+        module, trainer or gradient hooks: the next run's :meth:`connect` binds its own."""
         state = self.__dict__.copy()
-        state.update(_module=None, _trainer=None, _hooks_write=None, _overlap=OverlappedCheck())
+        state.update(host=host_of(None), overlap=OverlappedCheck())
         return state
 
     @property
@@ -98,48 +95,33 @@ class OptimizerSteps:
             state.plan = None
 
     # ------------------------------------------------------------------ set-up
-    def connect(self, module: Optional[LightningModule], optimizers: list[Optimizer]) -> None:
-        """Start a run with these optimizers (a new ``fit``; earlier records are dropped, the step counters are the
-        plugin's and go on: see :meth:`StepStats.optimizer`)."""
+    def connect(self, host: Any, optimizers: list[Optimizer]) -> None:
+        """Start a run with these optimizers, driven by ``host`` (:mod:`lightning_mp.host`; a ``LightningModule``:
+        the Trainer's). A new ``fit``: earlier records are dropped, the step counters are the plugin's and go on
+        (see :meth:`StepStats.optimizer`)."""
         self._optimizers = {id(opt): self._new_state(i, opt) for i, opt in enumerate(optimizers)}
         self._batch_verdicts = []
         self.buffers.drop()
         self.buffers.forget_plan()
         self._sums.reset()
-        self._hooks_write = None
-        self._module = module
-        self._trainer = getattr(module, "_trainer", None) if module is not None else None
-        # fp32 sums of micro-batches: only where Lightning owns zero_grad (automatic optimization)
-        self._carry_sums = self.masters is not None and module is not None and module.automatic_optimization
-        self._overlap.remove()
+        self.host = host = host_of(host)
+        # fp32 sums of micro-batches: only where the host owns zero_grad (automatic optimization)
+        self._carry_sums = self.masters is not None and host.owns_accumulation
+        self.overlap.remove()
         scaler = self._scaler
         if scaler is not None and not scaler.scaling and not scaler.sharded:
             # a large model's check runs beside its backward (the L2 norm: the spike guard's figure too; with master
             # weights the half gradients' figures hold for the fp32 ones where those are copies: StepRecords.plain)
-            self._overlap.install(optimizers, norm=2.0 if self.spike is not None else math.inf)
+            self.overlap.install(optimizers, norm=2.0 if self.spike is not None else math.inf)
 
     def close(self) -> None:
         """The run is over: the last batch ends, the gradient hooks go, the buffers' watch ends."""
         self.end_batch()
-        self._overlap.remove()
+        self.overlap.remove()
         self.buffers.close()
 
-    def _window_starts(self) -> bool:
-        """Whether this training batch is the first of an accumulation window (automatic optimization): Lightning
-        zeroes the gradients there (``batch_idx % accumulate_grad_batches == 0``)."""
-        trainer, module = self._trainer, self._module
-        if trainer is None or module is None or not module.automatic_optimization:
-            return False
-        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-        batch_idx = getattr(loop, "batch_idx", None)
-        return isinstance(batch_idx, int) and batch_idx % max(1, self._accumulate()) == 0
-
-    def _accumulate(self) -> int:
-        # read each time: GradientAccumulationScheduler changes it during training
-        return getattr(self._trainer, "accumulate_grad_batches", 1)
-
     def _accumulating(self) -> bool:
-        return self._accumulate() > 1
+        return self.host.accumulate() > 1
 
     def _new_state(self, index: int, optimizer: Optimizer) -> OptimizerState:
         state = OptimizerState(index, optimizer, stats=self.stats.optimizer(index))
@@ -164,12 +146,12 @@ class OptimizerSteps:
         stepped, and its fp32 gradient sums, loss sum and buffer snapshot must not reach the next step."""
         if self.abandon_prepared():  # its forward's buffer changes stay, as without the plugin
             self.buffers.drop()
-            self._loss = None
-        if self._window_starts():
+            self.loss = None
+        if self.host.window_starts():
             if self.masters is not None:
                 self.masters.drop_sums()
                 self._sums.reset()
-            self._loss = None
+            self.loss = None
             self.buffers.drop()
         if self._scaler is not None and module is not None and not self.buffers.taken:
             self.buffers.take(module, optimizers)
@@ -177,10 +159,10 @@ class OptimizerSteps:
     def end_batch(self) -> None:
         """A training batch ended (manual optimization: ``training_step`` returned): one scale update. A loss whose
         step has not run yet (manual accumulation over batches) is kept for that step."""
-        self._last_loss = None
+        self.last_loss = None
         for state in self._optimizers.values():
             if state.stage is Stage.PREPARED:
-                self._abandon(state)  # prepared (e.g. clipped) but never stepped
+                self.abandon(state)  # prepared (e.g. clipped) but never stepped
         if self._batch_verdicts:
             self._update_scale()
             self.buffers.drop()
@@ -196,11 +178,11 @@ class OptimizerSteps:
         whose half gradients DDP reduces as usual.
         """
         if self.abandon_prepared():
-            self._loss = None  # (the spike guard judges what backward ran on since the last step taken)
+            self.loss = None  # (the spike guard judges what backward ran on since the last step taken)
         if self.spike is not None and isinstance(loss, Tensor) and loss.numel() == 1:
             loss = loss.detach().reshape(()).float()
-            self._loss = loss if self._loss is None else self._loss + loss
-        self._overlap.arm()
+            self.loss = loss if self.loss is None else self.loss + loss
+        self.overlap.arm()
         if self._carry_sums and self._accumulating():
             assert self.masters is not None  # _carry_sums: there are masters
             self.masters.carry_grads_(module.parameters())
@@ -213,21 +195,17 @@ class OptimizerSteps:
 
     # ------------------------------------------------------------------ the step
     def run(
-        self,
-        optimizer: Optimizer,
-        model: LightningModule,
-        closure: Callable[[], Any],
-        hooks_and_clipping: Callable[[], None],
-        **kwargs: Any,
+        self, optimizer: Optimizer, closure: Callable[[], Any], hooks_and_clipping: Callable[[], None], **kwargs: Any
     ) -> Any:
-        """One optimizer step (stages 1–8). ``hooks_and_clipping`` runs ``on_before_optimizer_step`` and clipping."""
+        """One optimizer step (stages 1–8). ``hooks_and_clipping``: what the host runs between backward and the step
+        (the Trainer: ``on_before_optimizer_step`` and clipping; a Fabric loop: nothing, it did its part already)."""
         state = self._state(optimizer)
-        plan = state.plan or self._plan(state, model)
+        plan = state.plan or self._plan(state)
         out, outcome = plan.run(optimizer, closure, hooks_and_clipping, kwargs)
-        self._finish(optimizer, state, model, outcome)
+        self._finish(optimizer, state, outcome)
         return out
 
-    def _finish(self, optimizer: Optimizer, state: OptimizerState, model: Any, outcome: Outcome) -> None:
+    def _finish(self, optimizer: Optimizer, state: OptimizerState, outcome: Outcome) -> None:
         """Stage 8 and what every step ends with, whichever plan ran it: the half weights written back (skipped:
         as they were), the buffers put back on a skip, the outcome counted, the gradients released, the loss scale
         moved once the batch is over, the divergence stop."""
@@ -243,21 +221,20 @@ class OptimizerSteps:
             self._batch_verdicts.append(cast("Tensor | bool", outcome.scale_verdict))
         state.stats.record(outcome.skipped, outcome.flag)
         state.norm, state.early = None, False
-        automatic = model.automatic_optimization
-        if automatic:
+        if self.host.whole_steps:
             if self.release_grads:
                 _release_grads(optimizer)
             self._update_scale()  # one optimizer per batch: the batch is over
             self.buffers.drop()
             state.stage = Stage.READY
-            self._loss = self._last_loss = None
+            self.loss = self.last_loss = None
         else:
             state.stage = Stage.STEPPED
-            if self._loss is not None:  # the next step judges the losses of the backward calls after this one
-                self._last_loss, self._loss = self._loss, None
-        self._check_divergence(model, state)
+            if self.loss is not None:  # the next step judges the losses of the backward calls after this one
+                self.last_loss, self.loss = self.loss, None
+        self._check_divergence(state)
 
-    def _plan(self, state: OptimizerState, model: LightningModule) -> Plan:
+    def _plan(self, state: OptimizerState) -> Plan:
         """Make once the plan of this optimizer's steps (kept until the scaler or the optimizers change; see
         :mod:`lightning_mp.plans`): closure-taking optimizers' (:func:`evaluates_closure`); check-only for the common
         case of one process in a check-only mode (fp32, tf32, bf16) with fp32 weights, no spike guard, FP8 or
@@ -266,12 +243,12 @@ class OptimizerSteps:
         plan: Plan
         if evaluates_closure(optimizer):
             plan = ClosurePlan(self, state)
-        elif CheckOnlyPlan.fits(self, scaler, model.automatic_optimization):
+        elif CheckOnlyPlan.fits(self, scaler, self.host.whole_steps):
             scaler = cast(StepGuard, scaler)  # (fits: there is one)
             fused = checks.takes_device_verdict(optimizer, scaling=False, device=scaler.scale_device)
             plan = CheckOnlyPlan(self, state, scaler, fused)
         else:
-            plan = GeneralPlan(self, state, manual=not model.automatic_optimization)
+            plan = GeneralPlan(self, state, manual=not self.host.whole_steps)
         state.plan = plan
         return plan
 
@@ -287,7 +264,7 @@ class OptimizerSteps:
         scaler = self._scaler
         if self.masters is not None:  # check-only modes: the gather's pass finds inf/NaN too (but for a spike guard)
             check = scaler is not None and not scaler.scaling and self.spike is None
-            state.records = self.masters.gather(optimizer, check=check, taken=self._overlap.installed)
+            state.records = self.masters.gather(optimizer, check=check, taken=self.overlap.installed)
         first_verdict(self, optimizer, state, scaler)
         if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
@@ -297,10 +274,9 @@ class OptimizerSteps:
         """After ``on_before_optimizer_step`` (``clipping``: after ``configure_gradient_clipping``): take what the
         hooks wrote into the half gradients; the verdict must look again if they could have written."""
         state = self._state(optimizer)
-        writes = self._writing_hooks()[1 if clipping else 0]
-        module = self._module
+        writes = self.host.hooks_write()[1 if clipping else 0]
         # (manual optimization: user code between an early clip_gradients and opt.step() may write them too)
-        may_write = writes or module is None or not module.automatic_optimization
+        may_write = writes or not self.host.whole_steps
         if state.records is not None and may_write and MasterWeights.take_rewritten(state.records):
             state.dirty = True
         if writes:
@@ -317,8 +293,8 @@ class OptimizerSteps:
         self.prepare(optimizer)
         state = self._state(optimizer)
         if state.dirty and self._scaler is not None:
-            with self._standing_in(state):
-                self._check(optimizer, state)
+            with self.standing_in(state):
+                self.check(optimizer, state)
 
     def clipped(self, optimizer: Optimizer) -> None:
         """After clipping the fp32 gradients (true-half): the half ones that hooks and user code read follow."""
@@ -337,8 +313,8 @@ class OptimizerSteps:
             self.scaler.verdicts.add_(optimizer, ~torch.isfinite(norm.detach()), agreed=True)  # the norm of all shards
         state.dirty = False
 
-    def _check(self, optimizer: Optimizer, state: OptimizerState) -> None:
-        """The read-only pass over the gradients the optimizer will apply (inside :meth:`_standing_in`)."""
+    def check(self, optimizer: Optimizer, state: OptimizerState) -> None:
+        """The read-only pass over the gradients the optimizer will apply (inside :meth:`standing_in`)."""
         scaler = self._scaler
         assert scaler is not None  # every caller has one
         if scaler.verdicts.stage(optimizer) is OptState.READY:
@@ -349,7 +325,7 @@ class OptimizerSteps:
                 scaler.verdicts.add_(optimizer, found)
         state.dirty = False
 
-    def _standing_in(self, state: OptimizerState) -> Any:
+    def standing_in(self, state: OptimizerState) -> Any:
         """Inside: the fp32 stand-ins hold the half parameters' places (and state) in the param groups."""
         return standing_in(self.masters, state.records)
 
@@ -362,24 +338,7 @@ class OptimizerSteps:
         standin = {id(r.param): r.standin for r in state.records.records}
         return [standin.get(id(p), p) for p in params]
 
-    def _writing_hooks(self) -> tuple[bool, bool]:
-        """Whether ``on_before_optimizer_step`` hooks, and a ``configure_gradient_clipping`` override, may write
-        gradients (found once per run; callbacks that only read say so with ``reads_gradients_only``)."""
-        if self._hooks_write is None:
-            module = self._module
-            trainer = getattr(module, "_trainer", None) if module is not None else None
-            if module is None or trainer is None:
-                self._hooks_write = (True, True)
-            else:
-                hooks = is_overridden("on_before_optimizer_step", module, LightningModule) or any(
-                    type(cb).on_before_optimizer_step is not Callback.on_before_optimizer_step
-                    and not getattr(cb, "reads_gradients_only", False)
-                    for cb in trainer.callbacks
-                )
-                self._hooks_write = (hooks, is_overridden("configure_gradient_clipping", module, LightningModule))
-        return self._hooks_write
-
-    def _abandon(self, state: OptimizerState) -> None:
+    def abandon(self, state: OptimizerState) -> None:
         """PREPARED -> READY for a step that is not taken (an error inside it; clipped, then left out by the loop),
         as if it had never been prepared: the stand-ins and their gradients go (the parameters keep their values),
         the verdict goes, unscaled gradients get the loss scale back, an FP8 saturation flag of its forward goes."""
@@ -399,7 +358,7 @@ class OptimizerSteps:
         abandoned = False
         for state in self._optimizers.values():
             if state.stage is Stage.PREPARED:
-                self._abandon(state)
+                self.abandon(state)
                 abandoned = True
         return abandoned
 
@@ -414,14 +373,14 @@ class OptimizerSteps:
         state = self._optimizers.get(id(optimizer)) if optimizer is not None else None
         return False if state is None else state.stats.last_skipped
 
-    def _check_divergence(self, model: LightningModule, state: OptimizerState) -> None:
+    def _check_divergence(self, state: OptimizerState) -> None:
         limit = self.max_consecutive_skips
         if limit is None:
             return
         consecutive = state.stats.consecutive_known()
         if consecutive is None or consecutive < limit:
             return
-        raise divergence_error(self, state, model, (consecutive, limit), several=len(self._optimizers) > 1)
+        raise divergence_error(self, state, (consecutive, limit), several=len(self._optimizers) > 1)
 
 def _release_grads(optimizer: Optimizer) -> None:
     """``optimizer.zero_grad(set_to_none=True)`` without its profiler record and per-group bookkeeping (a host cost

@@ -48,7 +48,7 @@ class StepHooks(Precision):
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
         if self._steps is None or not isinstance(model, LightningModule):
             return Precision.optimizer_step(self, optimizer, model=model, closure=closure, **kwargs)
-        out = self._steps.run(optimizer, model, closure, lambda: self._after_closure(model, optimizer), **kwargs)
+        out = self._steps.run(optimizer, closure, lambda: self._after_closure(model, optimizer), **kwargs)
         if self._run.fp8 is not None:
             self._run.fp8.weights_updated()  # FP8 weight casts cached across micro-batches expire
         return out

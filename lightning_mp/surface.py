@@ -6,14 +6,15 @@ checkers) see.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
+from torch.optim import Optimizer
 
 from lightning_mp.fp8 import FP8Config
 from lightning_mp.fp8.config import settle_weights
 from lightning_mp.guards import FP32GuardSpec
-from lightning_mp.master import MasterWeights
+from lightning_mp.master import MasterWeights, release_fp32_state_loading
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.options import describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
@@ -172,6 +173,41 @@ class PrecisionRun:
     @property
     def fsdp_param_dtype(self) -> Optional[str]:
         return self._settings.distributed.fsdp_param_dtype
+
+    def _fp32_guard_spec(self, device_type: Optional[str]) -> FP32GuardSpec:
+        """The FP32 guards this run installs: ``fp32_modules`` as the mode and device use it (``device_type``
+        ``None``: the plugin's device, before the parameters are on theirs)."""
+        spec, mode = self.fp32_guards, self.mode
+        if mode is not None and not mode.true_half and (device_type or self.device) == "cuda":
+            # fp32 weights: CUDA autocast (any mode a schedule switches to) and FP8 norms run these in fp32 already
+            spec = spec.without_autocast_fp32()
+        if mode is not None and mode.param_dtype is torch.bfloat16 and self._weights.kind(mode) != "none":
+            spec = spec.with_native_layer_norm()  # (the defaults: torch's LayerNorm on bf16, masters keep fp32 values)
+        return spec
+
+    def _open_steps(self, host: Any, container: torch.nn.Module, optimizers: list[Optimizer], *, device: torch.device,
+                    fsdp: bool = False, release_grads: bool = False, module: Any = None) -> OptimizerSteps:
+        """The run's step, set up the same for every host (``host``: :mod:`lightning_mp.host`): master weights for
+        ``optimizers`` (their state loading kept fp32 while the run lasts, also for optimizers that join the list
+        later), the :class:`~lightning_mp.step.OptimizerSteps` every step runs through, the counters' names and FP8
+        figures, the FP8 backend's watch. ``container``: what the parameters are named after; ``module``: the
+        ``LightningModule`` (the Trainer's host)."""
+        run, mode = self._run, self._run.active
+        masters = self._weights.connect(mode, container, optimizers, fsdp=fsdp, device=device)
+        if masters is not None:
+            self._patches.add(f"fp32 state loading of the run's optimizers ({len(optimizers)} at set-up)",
+                              lambda: release_fp32_state_loading(optimizers))  # fmt: skip
+        fp8 = run.fp8 if run.fp8 is not None and mode.fp8 else None
+        steps = OptimizerSteps(
+            run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
+            saturation=fp8.sentinel.take if fp8 is not None else None, spike=self._spike, release_grads=release_grads,
+        )  # fmt: skip
+        steps.connect(host, optimizers)
+        self._steps = steps
+        self.stats.set_namer(self._weights.namer(container))
+        self.stats.set_fp8(fp8)  # layer_stats, and the probe of saturated and underflowing shares
+        run.connect_fp8(module, device, watch=run.scaler is not None, optimizers=optimizers)
+        return steps
 
     __repr__ = describe  # MPPlugin('fp16', init_scale=1024.0): the mode and the settings that differ from defaults
     compute_dtype = plugin_compute_dtype  # the dtype matmuls run in (lightning_mp.ThroughputMonitor reads it)

@@ -45,7 +45,7 @@ def _loop(steps: OptimizerSteps, model: Net, opt, batches, *, clip=None, scaler_
                 steps.record_norm(opt, norm)
 
         steps.begin_batch(model, [opt])
-        steps.run(opt, model, closure, hooks)
+        steps.run(opt, closure, hooks)
     return losses
 
 
@@ -150,7 +150,7 @@ def test_the_planned_check_falls_back_where_gradients_are_not_as_planned():
             out.backward()
             return out
 
-        steps.run(opt, model, closure, lambda: None)
+        steps.run(opt, closure, lambda: None)
 
     step()
     before = emb.weight.detach().clone()
