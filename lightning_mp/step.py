@@ -144,9 +144,6 @@ class OptimizerSteps:
         At the first batch of an accumulation window, where Lightning zeroes the gradients, what an earlier window
         left behind goes too: a window cut short (``on_train_batch_start`` returning -1, the epoch's end) never
         stepped, and its fp32 gradient sums, loss sum and buffer snapshot must not reach the next step."""
-        if self.abandon_prepared():  # its forward's buffer changes stay, as without the plugin
-            self.buffers.drop()
-            self.loss = None
         if self.host.window_starts():
             if self.masters is not None:
                 self.masters.drop_sums()
@@ -354,7 +351,9 @@ class OptimizerSteps:
 
     def abandon_prepared(self) -> bool:
         """Undo every step prepared and not taken (a loop that clipped, then went on without ``optimizer.step()``),
-        before a backward or a training forward would mix it into the next step. Returns whether there was one."""
+        before a backward would mix it into the next step (a forward alone may come between clipping and the step).
+        The buffer snapshot stays: a skip of the next step puts back what the left-out batch's forward changed too.
+        Returns whether there was one."""
         abandoned = False
         for state in self._optimizers.values():
             if state.stage is Stage.PREPARED:

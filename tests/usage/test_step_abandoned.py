@@ -253,3 +253,24 @@ def test_trainer_manual_left_out_step_leaves_no_trace(mode, kw):
     want, want_counts = trainer_run(mode, kw, clean=True)
     assert counts == want_counts == (5, 0)
     assert torch.equal(got, want), float((got - want).abs().max())
+
+
+@pytest.mark.parametrize(("mode", "kw"), CASES, ids=IDS)
+def test_fabric_forward_between_clipping_and_step_keeps_the_step(mode, kw):
+    """A forward alone between clipping and the step (a metric computed in train mode) does not end the prepared
+    step: an inf that clipping by value made finite still skips it, and nothing changes."""
+    plugin = MPFabricPrecision(mode, **kw)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    raw = make_model()
+    model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9))
+    xs = data()
+    fabric.backward(model(xs[0]).float().pow(2).mean())
+    opt.step()
+    opt.zero_grad()
+    before = weights(model)
+    fabric.backward(model(xs[1]).float().pow(2).mean() * float("inf"))
+    fabric.clip_gradients(model, opt, clip_val=0.1)
+    model(xs[2])  # (a forward whose output is not trained on)
+    opt.step()
+    assert torch.equal(weights(model), before)
+    assert (plugin.stats.steps, plugin.stats.skipped_steps) == (2, 1)
