@@ -4,6 +4,7 @@ its counts are views of the plugin's (:class:`StatsCounts`)."""
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import Any, Callable, Optional, Union, cast
 
@@ -125,7 +126,8 @@ class SkipCounters:
 class StatsCounts:
     """What a loss scaler inside :class:`~lightning_mp.MPPlugin` counts: nothing of its own. Its counts (``steps``,
     ``skipped_steps``, ``consecutive_skips``, ``last_skipped``) are read from the plugin's :class:`StepStats` (summed
-    over optimizers; the longest streak), so that skips are counted in one place; the counting calls do nothing."""
+    over optimizers; the longest streak; ``last_skipped``: :attr:`StepStats.skipped`, the last step's), so that skips
+    are counted in one place; the counting calls do nothing."""
 
     NAMES = SkipCounters.NAMES
 
@@ -187,6 +189,10 @@ class OptimizerStats:
         self._batches: Optional[HostBatches] = None  # made at the first CUDA verdict
         #: CUDA verdicts sent to the host together (set by the step from ``max_consecutive_skips``)
         self.verdict_batch = 1
+        #: the run's step clock (one ``[count]`` shared by the counters of one :class:`StepStats`) and its reading at
+        #: this optimizer's last step (0: none since these counters were made or loaded): which optimizer stepped last
+        self._clock: list[int] = [0]
+        self._seq = 0
 
     def __getstate__(self) -> dict[str, Any]:
         # (a copy or a pickle takes the outcomes as they are now: copies still landing in this object's pinned
@@ -201,6 +207,8 @@ class OptimizerStats:
         self.__dict__.update(state)
         self.__dict__.setdefault("_batches", None)
         self.__dict__.setdefault("verdict_batch", 1)
+        self.__dict__.setdefault("_clock", [0])  # (counters pickled before the step clock)
+        self.__dict__.setdefault("_seq", 0)
 
     def record(self, skipped: Optional[bool], verdict: Optional[Tensor]) -> None:
         """One step ran: ``skipped`` when the host knows, else ``verdict`` (a device flag, non-zero: skipped)."""
@@ -209,6 +217,8 @@ class OptimizerStats:
         if len(self._pending) >= limit:  # (the oldest, long landed by now: no wait for the newest ones)
             self._settle(down_to=limit - 1)
         self.steps += 1
+        self._clock[0] += 1
+        self._seq = self._clock[0]
         if skipped is None and verdict is not None:
             batches = self._batches
             if batches is None and verdict.is_cuda:
@@ -260,6 +270,12 @@ class OptimizerStats:
         self._settle(wait=False)
         return None if self._pending else self._last
 
+    def skipped_steps_known(self) -> Optional[int]:
+        """The skipped steps, if the host knows every outcome without waiting (``None``: a device verdict is still
+        on its way)."""
+        self._settle(wait=False)
+        return None if self._pending else self._skipped_steps
+
     @property
     def skipped_steps(self) -> int:
         self._settle()
@@ -294,6 +310,7 @@ class OptimizerStats:
             values["steps"], values["skipped_steps"], values["consecutive_skips"]
         )
         self._last = self._consecutive > 0
+        self._seq = 0  # (no step since the checkpoint: which optimizer stepped last is not known)
 
 
 class StepStats:
@@ -310,6 +327,15 @@ class StepStats:
     counts each optimizer's streak apart). Reading the loss scale or the gradient norm copies one number to the
     host (a sync on CUDA): read them on logging steps. ``as_dict()`` reads everything at once.
 
+    With several optimizers (a GAN), hold each LR schedule on its own optimizer's skips::
+
+        opt_d.step(); opt_g.step()
+        for opt, scheduler in ((opt_d, sched_d), (opt_g, sched_g)):
+            if not plugin.stats.skipped_for(opt):
+                scheduler.step()
+
+    ``skipped`` answers for the optimizer that stepped last only (see there).
+
     The counters describe the whole run, as the loss scale does: they live as long as the plugin (``validate``,
     ``test`` and ``predict`` after ``fit``, a continued ``fit``, another ``Trainer`` given the same plugin keep
     them; the n-th optimizer of every ``fit`` counts on in the n-th entry) and are set only by a checkpoint loaded.
@@ -321,17 +347,99 @@ class StepStats:
         self._spike = spike  # the loss-spike guard (``None``: off)
         self._grad_norm: Optional[Tensor] = None
         self.per_optimizer: list[OptimizerStats] = []
+        self._clock: list[int] = [0]  # the step clock every entry of per_optimizer shares (see OptimizerStats)
+        #: id(optimizer) -> (a weak reference to it, its index in per_optimizer, the clock when it was bound)
+        self._bound: dict[int, tuple[Callable[[], Any], int, int]] = {}
         self._namer: Optional[Callable[[Tensor], Optional[str]]] = None
         self._fp8_layers: Optional[Callable[[], dict[str, dict[str, float]]]] = None
         self._fp8_shares: Optional[Any] = None  # an FP8ShareProbe (lightning_mp.fp8.shares), in fp8 runs
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (a copy knows no optimizer: weak references do not pickle, and the copy's optimizers are other objects; its
+        # steps bind the optimizers of the run that uses it, as they bind this one's)
+        return {**self.__dict__, "_bound": {}}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if "_clock" not in state:  # (stats pickled before the step clock)
+            self._clock = [0]
+            for entry in self.per_optimizer:
+                entry._clock = self._clock
+        self.__dict__.setdefault("_bound", {})
 
     def optimizer(self, index: int) -> OptimizerStats:
         """The counters of the run's ``index``-th optimizer (made at its first use, kept from one entry point to the
         next: an evaluation in between, with no optimizers, leaves them as they are)."""
         per = self.per_optimizer
         while len(per) <= index:
-            per.append(OptimizerStats())
+            entry = OptimizerStats()
+            entry._clock = self._clock
+            per.append(entry)
         return per[index]
+
+    def bind_optimizer(self, optimizer: Any, index: int) -> None:
+        """``optimizer`` (the torch optimizer the plugin steps) counts in the ``index``-th counters from now on, for
+        :meth:`skipped_for`. Held weakly; an optimizer bound there before (an earlier run's) is no longer known."""
+        try:
+            ref: Callable[[], Any] = weakref.ref(optimizer)
+        except TypeError:  # (an object without weak references: held as long as its binding)
+            ref = lambda: optimizer  # noqa: E731
+        bound = self._bound
+        old = bound.get(id(optimizer))
+        since = old[2] if old is not None and old[0]() is optimizer and old[1] == index else self._clock[0]
+        for key, (other, other_index, _) in list(bound.items()):
+            if other() is None or other_index == index or key == id(optimizer):
+                del bound[key]  # (gone, the index's previous optimizer, or a stale id)
+        bound[id(optimizer)] = (ref, index, since)
+        self.optimizer(index)
+
+    def _index_of(self, optimizer: Any) -> int:
+        """The counters' index of ``optimizer``: the torch optimizer the plugin stepped, or a wrapper of it (Lightning's
+        ``LightningOptimizer``, Fabric's ``_FabricOptimizer``: the torch optimizer at ``_optimizer``/``optimizer``)."""
+        obj, name = optimizer, type(optimizer).__name__
+        for _ in range(4):  # (a wrapper of a wrapper at most, and no cycle)
+            binding = self._bound.get(id(obj))
+            if binding is not None and binding[0]() is obj:
+                _, index, since = binding
+                if self.per_optimizer[index]._seq <= since:
+                    raise ValueError(
+                        f"stats.skipped_for({name}): this optimizer has taken no step under this plugin yet (since"
+                        " the run set it up, or since a checkpoint was loaded): ask after its step."
+                    )
+                return index
+            inner = vars(obj).get("_optimizer") if hasattr(obj, "__dict__") else None
+            if inner is None:
+                inner = getattr(obj, "optimizer", None)
+            if inner is None or inner is obj:
+                break
+            obj = inner
+        raise ValueError(
+            f"stats.skipped_for({name}): this optimizer has not stepped under this plugin. Pass an optimizer the"
+            " plugin steps: the torch optimizer, the LightningOptimizer that self.optimizers() returns, or the"
+            " optimizer that fabric.setup returned."
+        )
+
+    def skipped_for(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s last step was skipped (inf/NaN gradients, or a loss spike): hold its LR scheduler
+        then. With several optimizers (a GAN) ask per optimizer: another optimizer's skip says nothing about this one.
+
+        ``optimizer``: the torch optimizer, the ``LightningOptimizer`` that ``self.optimizers()`` returns (manual
+        optimization) or the optimizer that ``fabric.setup`` returned. A fused optimizer's verdict that only the device
+        knows yet is read from it (a host sync, as for ``skipped``). Raises ``ValueError`` for an optimizer that has
+        not stepped under this plugin (another plugin's, or one not stepped yet in this run).
+
+        Example::
+
+            opt_d.step()
+            if not plugin.stats.skipped_for(opt_d):
+                scheduler_d.step()
+        """
+        return self.per_optimizer[self._index_of(optimizer)].last_skipped
+
+    def _last_stepped(self) -> Optional[OptimizerStats]:
+        """The counters of the optimizer that stepped last (``None``: none stepped since they were made or loaded)."""
+        latest = max(self.per_optimizer, key=lambda s: s._seq, default=None)
+        return latest if latest is not None and latest._seq > 0 else None
 
     def set_scaler(self, scaler: Optional[Any]) -> None:
         """The loss scaler (or the step guard) of the run; a loss scaler's counts become views of these."""
@@ -396,15 +504,41 @@ class StepStats:
         return self._namer(tensor) if self._namer is not None else None
 
     def skipped_known(self) -> Optional[bool]:
-        """Whether any optimizer's last step was skipped, as far as the host knows without waiting (never syncs)."""
-        known = [s.last_skipped_known() for s in self.per_optimizer]
+        """:attr:`skipped`, as far as the host knows without waiting (never syncs; ``None``: the verdict is still on
+        the device)."""
+        latest = self._last_stepped()
+        if latest is not None:
+            return latest.last_skipped_known()
+        known = [s.last_skipped_known() for s in self.per_optimizer]  # (as a checkpoint left them)
         if any(k is True for k in known):
             return True
         return None if any(k is None for k in known) else False
 
+    def skipped_steps_known(self) -> Optional[int]:
+        """:attr:`skipped_steps`, if the host knows every outcome without waiting (never syncs; ``None``: a fused
+        optimizer's verdict is still on its way from the device)."""
+        total = 0
+        for s in self.per_optimizer:
+            known = s.skipped_steps_known()
+            if known is None:
+                return None
+            total += known
+        return total
+
     @property
     def skipped(self) -> bool:
-        """Whether the last step of any optimizer was skipped because of inf/NaN gradients."""
+        """Whether the last optimizer step, of whichever optimizer took it, was skipped (inf/NaN gradients, or a loss
+        spike). With one optimizer: its last step. With several (a GAN), only the one that stepped last is answered
+        for: ask :meth:`skipped_for` about each optimizer (to hold its LR scheduler, above all; a skip of one
+        optimizer says nothing about another's step, and ``skipped_steps`` counts every skip). The last step is the
+        last one this plugin ran, under the Trainer and Fabric alike, whatever the optimizers of earlier runs did;
+        before any step since a checkpoint was loaded: whether any optimizer's last step before it was skipped."""
+        return self._skipped()
+
+    def _skipped(self) -> bool:
+        latest = self._last_stepped()
+        if latest is not None:
+            return latest.last_skipped
         return any(s.last_skipped for s in self.per_optimizer)
 
     @property
@@ -450,7 +584,7 @@ class StepStats:
             "steps": sum(s.steps for s in per),
             "skipped_steps": sum(s.skipped_steps for s in per),
             "consecutive_skips": max((s.consecutive_skips for s in per), default=0),
-            "skipped": any(s.last_skipped for s in per),
+            "skipped": self._skipped(),
             "loss_scale": self._loss_scale(),
             "grad_norm": None if self._grad_norm is None else float(self._grad_norm.item()),
             "spike_skips": 0 if self._spike is None else self._spike.spike_skips,

@@ -125,6 +125,7 @@ class OptimizerSteps:
 
     def _new_state(self, index: int, optimizer: Optimizer) -> OptimizerState:
         state = OptimizerState(index, optimizer, stats=self.stats.optimizer(index))
+        self.stats.bind_optimizer(optimizer, index)  # (stats.skipped_for(optimizer): held weakly)
         # device verdicts reach the counters a batch at a time (one copy a batch): the divergence stop then fires up
         # to a batch late, so the batch is a quarter of its limit at most (none: the stop fires as it did)
         limit = self.max_consecutive_skips

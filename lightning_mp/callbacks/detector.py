@@ -12,7 +12,8 @@ How one training batch is watched (the order matters):
 4. ``on_before_optimizer_step``: every parameter gradient's largest |value| (fused ``_foreach_norm`` passes).
 5. ``on_train_batch_end``: the lists become small device vectors plus one device flag, "anything
    non-finite?". Nothing is read on the host, except when
-   - ``MPPlugin`` knows on the host that the step was skipped (a non-fused optimizer: no extra sync),
+   - ``MPPlugin`` knows on the host that a step of the batch was skipped, of any optimizer (a non-fused
+     optimizer: no extra sync),
    - the model runs on the CPU (a read costs nothing there),
    - every ``check_every_n_steps`` batches, at the end of fit, and when training stops with an exception,
    - every batch with ``dump_dir``, or with ``action="skip"`` when no loss scaler skips steps.
@@ -200,6 +201,7 @@ class NonFiniteDetector(Callback):
         self._produced: dict[int, tuple[Any, int]] = {}
         self._grad_hooked: dict[int, Any] = {}
         self._batches = 0
+        self._skips_seen: Optional[int] = None  # MPPlugin's skipped steps at the previous batch's end
         self._last_step_seen = -1
         self._root_type = ""
         # reads cost nothing on the CPU; tests turn this off to exercise the delayed read
@@ -224,6 +226,7 @@ class NonFiniteDetector(Callback):
             self._handles.append(module.register_forward_hook(self._forward_hook(index), with_kwargs=False))
         self._param_names = {id(p): n for n, p in pl_module.named_parameters()}
         self._root = weakref.ref(pl_module)
+        self._skips_seen = None  # (a checkpoint may still set the plugin's counts)
         if self.dump_dir is not None and trainer.is_global_zero:
             os.makedirs(self.dump_dir, exist_ok=True)
 
@@ -361,17 +364,24 @@ class NonFiniteDetector(Callback):
             return
         self._batches += 1
         device_is_cpu = rec.any_bad is not None and rec.any_bad.device.type == "cpu"
+        plugin_skipped = self._plugin_skipped(trainer)  # (every batch: the count it compares with moves on)
         read = (
             (device_is_cpu and self._read_every_batch_on_cpu)
             or self.dump_dir is not None
             or rec.skipped_here
             or self._batches % self.check_every_n_steps == 0
-            or _plugin_says_skipped(trainer)
+            or plugin_skipped
         )
         if read:
             self._check(trainer)
         rec.held.clear()
         rec.batch = None
+
+    def _plugin_skipped(self, trainer: Trainer) -> bool:
+        """Whether MPPlugin skipped a step of this batch (any optimizer's), as the host knows without waiting."""
+        skipped, self._skips_seen = _plugin_skipped_since(getattr(trainer.precision_plugin, "stats", None),
+                                                          self._skips_seen)
+        return skipped
 
     def _finish_record(self) -> Optional[_BatchRecord]:
         rec, self._record = self._record, None
@@ -608,12 +618,18 @@ def _tensor_stats(t: Tensor) -> dict[str, Any]:
         return stats
 
 
-def _plugin_says_skipped(trainer: Trainer) -> bool:
-    stats = getattr(trainer.precision_plugin, "stats", None)
+def _plugin_skipped_since(stats: Any, seen: Optional[int]) -> tuple[bool, Optional[int]]:
+    """Whether MPPlugin skipped a step, of any optimizer (a GAN's discriminator too), since its count was ``seen``,
+    and the count now; as the host knows without waiting (never syncs: a fused optimizer's verdict on its way from the
+    device says nothing, and the count stays)."""
     if not isinstance(stats, StepStats):
-        return False
-    # MPPlugin knows the verdict on the host after a non-fused step; never sync for it here
-    return stats.skipped_known() is True
+        return False, seen
+    total = stats.skipped_steps_known()
+    if total is None:
+        return False, seen
+    if seen is None:  # (no count to compare with: the last step's verdict)
+        return stats.skipped_known() is True, total
+    return total > seen, total
 
 
 def _raise_if_another_rank_found(trainer: Trainer, found: Optional[NonFiniteReport]) -> None:

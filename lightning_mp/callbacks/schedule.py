@@ -125,7 +125,7 @@ class PrecisionSchedule(Callback):
         self.abandoned: set[str] = set()
         self._applied: int = -1  # the largest schedule key applied so far
         self._skips: deque[int] = deque()  # steps (with repeats) at which the current mode skipped
-        self._counted_skips: Optional[int] = None  # MPPlugin's skip counter at the last read (fused path)
+        self._counted_skips: Optional[int] = None  # MPPlugin's skipped steps at the last look (None: not known)
         self._last_step: Optional[int] = None
 
     # ------------------------------------------------------------------ set-up
@@ -163,6 +163,7 @@ class PrecisionSchedule(Callback):
         if self.mode is None:
             self.mode = plugin.mode.name if plugin.mode is not None else plugin.requested_precision
         self._last_step = trainer.global_step
+        self._counted_skips = plugin.stats.skipped_steps_known()  # (restored from a checkpoint by now)
         if self.interval == "step":
             self._apply_schedule(trainer, trainer.global_step)
 
@@ -219,7 +220,7 @@ class PrecisionSchedule(Callback):
             return
         mode = plugin.set_precision(target)  # between optimizer steps; raises before changing anything
         self.mode = mode.name
-        self._forget_skips()
+        self._forget_skips(plugin.stats.skipped_steps_known())
         if mode.name == current:
             return
         entry = {
@@ -238,25 +239,32 @@ class PrecisionSchedule(Callback):
         else:
             rank_zero_info(message)
 
-    def _forget_skips(self) -> None:
-        """A new mode: the skip window starts empty (the skips seen were the previous mode's)."""
+    def _forget_skips(self, counted: Optional[int] = None) -> None:
+        """A new mode: the skip window starts empty (the skips seen were the previous mode's); ``counted``: the
+        plugin's skipped steps now (``None``: not known)."""
         self._skips.clear()
-        self._counted_skips = None
+        self._counted_skips = counted
 
     def _observe_skips(self, plugin: Any, step: int) -> None:
         while self._skips and self._skips[0] <= step - self.window:
             self._skips.popleft()  # what is left are the skips within the window
         if not plugin.skips_nonfinite:
             return  # this mode runs without the inf/NaN guard: nothing is skipped
-        known = plugin.stats.skipped_known()  # never waits for the device
-        if known is not None:
-            if known:
-                self._skips.append(step)
-        elif step % self.check_every_n_steps == 0 or self._counted_skips is None:
-            total = plugin.stats.skipped_steps  # one host copy every check_every_n_steps steps
-            if self._counted_skips is not None and total > self._counted_skips:
-                self._skips.extend([step] * (total - self._counted_skips))
-            self._counted_skips = total
+        stats = plugin.stats
+        # every optimizer's skips since the last look (a GAN's discriminator too), counted
+        total = stats.skipped_steps_known()  # never waits for the device
+        if total is None:  # a fused optimizer's verdict on its way from the device
+            if step % self.check_every_n_steps and self._counted_skips is not None:
+                return
+            total = stats.skipped_steps  # one host copy every check_every_n_steps steps
+            fresh = 0 if self._counted_skips is None else total - self._counted_skips
+        elif self._counted_skips is None:  # no count to start from (a switch made outside the schedule)
+            fresh = int(stats.skipped_known() is True)  # the last step's verdict
+        else:
+            fresh = total - self._counted_skips
+        if fresh > 0:
+            self._skips.extend([step] * fresh)
+        self._counted_skips = total
 
     def _require_plugin(self, trainer: Trainer) -> Any:
         plugin = trainer.precision_plugin
