@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any, Callable, Optional, cast
 
 import torch
-from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision import MixedPrecision, Precision
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -37,16 +37,20 @@ import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import _load_master_weights, load_plugin_state, normalise, plugin_state
 from lightning_mp.guards import guard_for_run
 from lightning_mp.host import LoopHost
-from lightning_mp.modes import MODES, PrecisionMode
+from lightning_mp.modes import MODES, PrecisionMode, running_mode
+from lightning_mp.nonfinite import NonfiniteGuard
 from lightning_mp.options import announce
+from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.settings import MPSettings
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.surface import PrecisionRun
 from lightning_mp.true_half import cast_weights_
 
 
-# (precision and the others are read-only views here of attributes Lightning's base declares writable)
-class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
+# (precision and the others are read-only views here of attributes Lightning's bases declare writable). Fabric's
+# MixedPrecision is a base for the code that dispatches on it (Fabric's ThroughputMonitor reads _desired_input_dtype
+# of its MixedPrecision/HalfPrecision); every method it defines is overridden here, and none reaches it through super()
+class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, override]
     """lightning_mp's precision for Lightning Fabric: autocast or true-half weights, loss scaling, FP32 guards,
     master weights, and inf/NaN step skipping, with :class:`~lightning_mp.MPPlugin`'s modes and arguments.
 
@@ -69,9 +73,9 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
     The arguments are :class:`~lightning_mp.MPPlugin`'s (checked by the same
     :class:`~lightning_mp.settings.MPSettings`), except three that have nothing to act on under Fabric:
     ``hold_schedulers_on_skip`` and ``release_grads_after_step`` (the loop steps its schedulers and zeroes its
-    gradients itself: read ``plugin.stats.skipped`` to hold a scheduler), and ``reduce_dtype``/``fsdp_param_dtype``,
-    which are refused (Fabric wraps the model after this plugin sees it; a DDP communication hook goes to
-    ``DDPStrategy(ddp_comm_hook=...)``).
+    gradients itself: read ``plugin.stats.skipped_for(optimizer)`` to hold its scheduler), and
+    ``reduce_dtype``/``fsdp_param_dtype``, which are refused (Fabric wraps the model after this plugin sees it; a DDP
+    communication hook goes to ``DDPStrategy(ddp_comm_hook=...)``).
     """
 
     def _start(self, settings: MPSettings) -> None:
@@ -202,6 +206,42 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
             return data
         return apply_to_collection(data, Tensor, _convert_fp_tensor, dst_type=torch.get_default_dtype())
 
+    @property
+    def _desired_input_dtype(self) -> torch.dtype:  # type: ignore[override]  # (Fabric's plugins: an attribute)
+        """The dtype the mode computes in, the attribute Fabric's code reads of its ``MixedPrecision`` and
+        ``HalfPrecision`` (its ``ThroughputMonitor`` looks the device's peak FLOPs up with it; user code casts
+        inputs and weights to it): bf16/fp16 in the autocast and true-half modes, fp32 in ``fp32``/``tf32``, bf16
+        in ``fp8`` (its autocast dtype; :meth:`compute_dtype` names the FP8 GEMMs' rate, ``int8``)."""
+        mode = running_mode(self)  # (auto: its choice for the device until set-up settles it)
+        dtype = None if mode is None else (mode.param_dtype or mode.autocast_dtype)
+        return dtype if dtype is not None else torch.float32
+
+    @override
+    def tensor_init_context(self) -> Any:
+        """``fabric.init_tensor()``: in a true-half mode without master weights (``master_weights="none"``, the
+        layout of Fabric's ``HalfPrecision``) tensors are made in the half dtype, as there; elsewhere fp32."""
+        mode = self._run.mode
+        if mode is not None and mode.true_half and self.master_weights == "none":
+            assert mode.param_dtype is not None  # (true-half: a half param_dtype)
+            return _DtypeContextManager(mode.param_dtype)
+        return contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> Any:
+        """``fabric.init_module()``: in a true-half mode without master weights the weights are made half directly,
+        as Fabric's ``HalfPrecision`` makes them (half the memory at creation; ``fabric.setup`` then keeps the
+        FP32-guarded modules fp32, from those values). With master weights (the default of true-half modes) and in
+        the other modes they are made fp32: the masters start from the exact fp32 values."""
+        return self.tensor_init_context()
+
+    def _foreign_scaler(self) -> Optional[Any]:
+        """The loss scaler in use where it is not lightning_mp's: a stand-in with ``GradScaler``'s methods (a test
+        double, a class of the user's) given or set as ``plugin.scaler`` (torch's ``GradScaler`` is adopted: never
+        this). The plugin cannot judge steps through it, so it scales, unscales, steps and updates as Fabric's
+        ``MixedPrecision`` has its scaler do (``None``: the plugin's own step runs)."""
+        scaler = self._run.scaler
+        return None if scaler is None or isinstance(scaler, (DynamicLossScaler, NonfiniteGuard)) else scaler
+
     @override
     def forward_context(self) -> Any:
         """Autocast (mixed modes) or the half default dtype (true-half) around a forward. A training forward after
@@ -236,7 +276,7 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
     @override
     def backward(self, tensor: Tensor, model: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
         scaler = self._run.scaler
-        if scaler is not None and scaler.scaling:
+        if scaler is not None and getattr(scaler, "scaling", True):  # (a stand-in scaler of the user's scales too)
             tensor = scaler.scale(tensor)
         tensor.backward(*args, **kwargs)
 
@@ -256,6 +296,11 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """``optimizer.step()``: one whole step of :class:`~lightning_mp.step.OptimizerSteps` (a closure given is
         evaluated first, or by the optimizer where it evaluates closures itself, as LBFGS)."""
+        foreign = self._foreign_scaler()
+        if foreign is not None:  # a stand-in scaler set by the user: Fabric's MixedPrecision step (it skips itself)
+            out = foreign.step(optimizer, **kwargs)
+            foreign.update()
+            return out
         steps = self._before_step(optimizer)
         closure: Optional[Callable[[], Any]] = kwargs.pop("closure", None)
         result: list[Any] = []
@@ -275,6 +320,10 @@ class MPFabricPrecision(PrecisionRun, Precision):  # type: ignore[misc]
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         """Before ``fabric.clip_gradients`` clips: the true gradients (unscaled; fp32 in true-half modes) in
         :meth:`main_params`, and the step's inf/NaN verdict taken, since clipping by value makes an inf finite."""
+        foreign = self._foreign_scaler()
+        if foreign is not None:  # a stand-in scaler set by the user: it unscales, as under Fabric's MixedPrecision
+            foreign.unscale_(optimizer)
+            return
         self._before_step(optimizer).check_before_clamp(optimizer)
 
     @override

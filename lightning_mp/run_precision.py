@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
@@ -75,7 +76,9 @@ class RunPrecision:
     def active(self) -> PrecisionMode:
         """The mode in force: a named mode from the start, ``auto``'s choice once set-up settled it."""
         if self.mode is None:
-            raise RuntimeError("MPPlugin(precision='auto') has not chosen its mode yet: that happens at set-up.")
+            raise RuntimeError(
+                f"{self.settings.host}(precision='auto') has not chosen its mode yet: that happens at set-up."
+            )
         return self.mode
 
     def set_mode(self, mode: PrecisionMode) -> None:
@@ -84,6 +87,31 @@ class RunPrecision:
             self.fp8 = make_backend(self.settings.fp8)
         previous, self.mode = self.scaler, mode
         self.scaler = self._build_scaler(mode, previous)
+
+    def use_scaler(self, given: Any, *, started: bool) -> None:
+        """``plugin.scaler = given``: train with ``given`` from now on, as if the plugin had been built with it (and
+        checked as there: a mode that does not scale the loss takes none, the plugin's own loss-scale arguments
+        would be ignored). A ``torch.amp.GradScaler`` trains through a ``DynamicLossScaler`` that starts from its
+        state and shares its scale; a stand-in with GradScaler's methods is used as it is. ``None`` is no change
+        where the loss is not scaled; a mode that scales the loss needs a scaler. ``started``: training has begun
+        (the scaler goes to the run's device and, under DDP, agrees across ranks as the one it replaces did)."""
+        if given is None and self.mode is not None and self.mode.needs_scaler:
+            raise ValueError(
+                f"{self.settings.host}(precision={self.mode.name!r}) scales the loss, so its scaler cannot be None."
+                " Set a torch.amp.GradScaler (or a lightning_mp.DynamicLossScaler), or build the plugin with"
+                " loss_scale=1.0 to train with an unscaled loss."
+            )
+        if given is None and self.settings.scaler is None:
+            return
+        self.settings = dataclasses.replace(self.settings, scaler=given)  # (checked as the constructor's arguments)
+        if self.mode is None:
+            return  # auto: the mode settles at set-up, which checks it with the scaler and builds the scaler
+        previous = self.scaler
+        self.set_mode(self.mode)  # the scaler built again: the given one
+        scaler = self.scaler
+        if started and isinstance(scaler, DynamicLossScaler):
+            scaler.ensure_initialized(torch.device(self.device))
+            scaler.sync_across_ranks = bool(getattr(previous, "sync_across_ranks", False))
 
     def set_sharded(self, sharded: bool) -> None:
         if sharded != self.sharded:
@@ -141,8 +169,8 @@ class RunPrecision:
         elif sharded_before_setup(module):
             if not fp8.is_converted(module):
                 raise MisconfigurationException(
-                    "MPPlugin(precision='fp8'): the model's parameters were sharded (FSDP2's fully_shard, or FSDP"
-                    " units wrapped in configure_model) before this plugin could swap its linear layers for"
+                    f"{self.settings.host}(precision='fp8'): the model's parameters were sharded (FSDP2's fully_shard,"
+                    " or FSDP units wrapped in configure_model) before this plugin could swap its linear layers for"
                     f" {BACKEND_TITLES.get(fp8.name, fp8.name)}'s FP8 layers. Call lightning_mp.prepare_fp8(self) at"
                     " the top of configure_model,"
                     " before fully_shard or the wrapping (it swaps them with this plugin's fp8 settings and does"
@@ -163,9 +191,11 @@ class RunPrecision:
         try:
             seeded = self.fp8.connect_optimizers(optimizers)  # FP8 primary weights: masters in the optimizer
         except ValueError as err:
-            raise MisconfigurationException(f"MPPlugin(precision='fp8'): {err}") from None
+            raise MisconfigurationException(f"{self.settings.host}(precision='fp8'): {err}") from None
         if seeded:
-            rank_zero_info(f"MPPlugin: {seeded} FP8 weights' optimizer-held masters start from the exact fp32 weights.")
+            rank_zero_info(
+                f"{self.settings.host}: {seeded} FP8 weights' optimizer-held masters start from the exact fp32 weights."
+            )
         trainer = getattr(module, "_trainer", None)
         self.fp8.configure_weight_cache(
             accumulate_grad_batches=getattr(trainer, "accumulate_grad_batches", 1),

@@ -175,6 +175,26 @@ def parse_master_weights(value: object) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- the settings
+#: the plugin class named in messages where settings are built without one (``MPPlugin``'s)
+HOST = "MPPlugin"
+
+
+def _host_field() -> Any:
+    """The ``host`` field of a settings object whose checks name the plugin: the class the settings were built for
+    (``MPPlugin``, ``MPFabricPrecision``, a subclass), named in its messages; not an argument, not compared."""
+    return field(default=HOST, repr=False, compare=False, metadata={"argument": False})
+
+
+def _is_argument(f: dataclasses.Field) -> bool:
+    return f.metadata.get("argument", True)
+
+
+class ScalerNotUsedError(MisconfigurationException, ValueError):
+    """A scaler given to a mode that does not scale the loss: a ``ValueError`` as Fabric's ``MixedPrecision`` and
+    Lightning's ``FSDPPrecision`` raise it, and a ``MisconfigurationException`` as Lightning's ``MixedPrecision``
+    raises it."""
+
+
 class _Settings:
     """What every settings object does: its flat arguments, and those that differ from its defaults."""
 
@@ -188,6 +208,8 @@ class _Settings:
         """``MPPlugin``'s keyword arguments these settings hold, by name (groups flattened), in the fields' order."""
         flat: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if not _is_argument(f):
+                continue
             value = getattr(self, f.name)
             flat.update(value.arguments() if isinstance(value, _Settings) else {f.name: value})
         return flat
@@ -263,6 +285,7 @@ class SkipSettings(_Settings):
     release_grads_after_step: bool = DEFAULTS["release_grads_after_step"]
     spike_sigma: Optional[float] = None
     spike_window: int = DEFAULTS["spike_window"]
+    host: str = _host_field()
 
     def __post_init__(self) -> None:
         for name in ("skip_nonfinite", "hold_schedulers_on_skip", "release_grads_after_step"):
@@ -286,7 +309,7 @@ class SkipSettings(_Settings):
             )
         if sigma is None and window != DEFAULTS["spike_window"]:
             rank_zero_warn(
-                f"MPPlugin: spike_window={window!r} set, but spike_sigma=None: the loss-spike guard is off; set"
+                f"{self.host}: spike_window={window!r} set, but spike_sigma=None: the loss-spike guard is off; set"
                 " spike_sigma (e.g. 6.0) to turn it on."
             )
         if sigma is not None and not self.skip_nonfinite:
@@ -331,11 +354,14 @@ class MPSettings(_Settings):
     master_weights: Optional[str] = None
     fp8: FP8Config = field(default_factory=FP8Config)
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
+    #: the plugin class these settings were built for, named in messages (``MPPlugin``, ``MPFabricPrecision``)
+    host: str = _host_field()
 
     @classmethod
-    def from_arguments(cls, **arguments: Any) -> MPSettings:
+    def from_arguments(cls, host: str = HOST, **arguments: Any) -> MPSettings:
         """The settings for ``MPPlugin``'s flat keyword arguments (each goes to the settings object with a field of
         its name; those not given keep their defaults). ``from_arguments(**settings.arguments()) == settings``.
+        ``host``: the plugin class they are built for, which their messages name.
 
         Raises:
             TypeError: for a name no settings object has, as a call with an unknown keyword does.
@@ -344,13 +370,15 @@ class MPSettings(_Settings):
         for f in dataclasses.fields(cls):
             group = getattr(cls.defaults(), f.name)
             if isinstance(group, _Settings):
-                names = [g.name for g in dataclasses.fields(group)]  # type: ignore[arg-type]
-                grouped[f.name] = type(group)(**{n: arguments.pop(n) for n in names if n in arguments})
-            elif f.name in arguments:
+                fields = dataclasses.fields(group)  # type: ignore[arg-type]
+                given = {g.name: arguments.pop(g.name) for g in fields if _is_argument(g) and g.name in arguments}
+                given.update({g.name: host for g in fields if g.name == "host"})
+                grouped[f.name] = type(group)(**given)
+            elif _is_argument(f) and f.name in arguments:
                 grouped[f.name] = arguments.pop(f.name)
         if arguments:
             raise TypeError(f"MPSettings.from_arguments() got an unexpected keyword argument {next(iter(arguments))!r}")
-        return cls(**grouped)
+        return cls(**grouped, host=host)
 
     def __post_init__(self) -> None:
         put = functools.partial(object.__setattr__, self)  # frozen: the parsed forms are set once, here
@@ -367,14 +395,16 @@ class MPSettings(_Settings):
             moved = sorted(self.scaling.changed())
             if moved:  # the given scaler is used as it is: these would be ignored without a word
                 raise ValueError(
-                    f"MPPlugin(scaler=...) uses the given scaler's loss scale, so {', '.join(moved)} would be"
+                    f"{self.host}(scaler=...) uses the given scaler's loss scale, so {', '.join(moved)} would be"
                     " ignored. Configure the scaler itself (torch.amp.GradScaler(init_scale=..., growth_factor=...,"
                     " backoff_factor=..., growth_interval=...), or lightning_mp.DynamicLossScaler for hysteresis,"
-                    " min_scale, max_scale and a static scale), or drop scaler= and pass them to MPPlugin."
+                    f" min_scale, max_scale and a static scale), or drop scaler= and pass them to {self.host}."
                 )
         put("fp8", FP8Config.from_value(self.fp8))  # validated now; the FP8 library is imported at set-up only
         if self.fp8 != FP8Config() and not uses_fp8_settings(self.precision):
-            rank_zero_warn(f"MPPlugin: fp8 settings are given but precision={self.precision!r}; they apply to 'fp8'.")
+            rank_zero_warn(
+                f"{self.host}: fp8 settings are given but precision={self.precision!r}; they apply to 'fp8'."
+            )
         if self.precision == AUTO:
             if self.master_weights is not None:  # auto picks bf16 or fp16 autocast: fp32 weights
                 _refuse_master_weights(self.master_weights, "precision='auto' picks bf16 or fp16 autocast, with fp32")
@@ -404,8 +434,8 @@ class MPSettings(_Settings):
                 " with this mode."
             )
         if self.scaler is not None and not mode.needs_scaler:
-            raise MisconfigurationException(
-                f"MPPlugin(precision={mode.name!r}) got a scaler, but this mode does not scale the loss; pass a"
+            raise ScalerNotUsedError(
+                f"{self.host}(precision={mode.name!r}) got a scaler, but this mode does not scale the loss; pass a"
                 " scaler with precision='fp16' or 'fp16-true' only."
             )
         if switch or mode.needs_scaler:
@@ -413,7 +443,7 @@ class MPSettings(_Settings):
         changed = sorted(self.scaling.changed())
         if changed:
             rank_zero_warn(
-                f"MPPlugin: {', '.join(changed)} set, but precision={mode.name!r} does not scale the loss;"
+                f"{self.host}: {', '.join(changed)} set, but precision={mode.name!r} does not scale the loss;"
                 " loss-scaling arguments take effect with precision='fp16' or 'fp16-true'."
             )
         skips = self.skips

@@ -19,6 +19,7 @@ from lightning_mp.modes import PrecisionMode
 from lightning_mp.options import describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
 from lightning_mp.run_precision import RunPrecision
+from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.settings import MPSettings
 from lightning_mp.spike import SpikeGuard
 from lightning_mp.stats import StepStats
@@ -66,7 +67,8 @@ class PrecisionRun:
         spike_window: int = 128,
     ) -> None:
         arguments = {name: value for name, value in locals().items() if name not in ("self", "__class__")}
-        self._start(MPSettings.from_arguments(**arguments))  # every bad value raises here, before training
+        # every bad value raises here, before training (its message naming the plugin's class)
+        self._start(MPSettings.from_arguments(type(self).__name__, **arguments))
 
     def _start(self, settings: MPSettings) -> None:
         """Hold ``settings`` (checked) and what runs from them; each plugin adds its own state after this."""
@@ -98,11 +100,23 @@ class PrecisionRun:
     @property
     def scaler(self) -> Optional[torch.amp.GradScaler]:
         """The loss scaler (fp16 modes; ``None`` where the loss is not scaled, as Lightning's plugins): a
-        ``torch.amp.GradScaler`` given is this one. Steps are checked in every mode: see :attr:`skips_nonfinite`."""
+        ``torch.amp.GradScaler`` given (or set here, as on Lightning's ``MixedPrecision``) is this one. Steps are
+        checked in every mode: see :attr:`skips_nonfinite`."""
         scaler = self._run.scaler
-        if scaler is None or not scaler.scaling:
+        if scaler is None or not getattr(scaler, "scaling", True):
             return None
-        return getattr(scaler, "twin", None) or scaler  # type: ignore[return-value]
+        twin = scaler.twin if isinstance(scaler, DynamicLossScaler) else None  # (a stand-in is shown as it is)
+        return twin or scaler  # type: ignore[return-value]
+
+    @scaler.setter
+    def scaler(self, scaler: Optional[torch.amp.GradScaler]) -> None:
+        """Set the loss scaler, as on Lightning's ``MixedPrecision``: the plugin trains with it from now on, as if it
+        had been given to the constructor (:meth:`~lightning_mp.run_precision.RunPrecision.use_scaler`)."""
+        self._run.use_scaler(scaler, started=self._steps is not None)
+        self._settings = self._run.settings
+        self.stats.set_scaler(self._run.scaler)
+        if self._steps is not None:
+            self._steps.scaler = self._run.scaler  # (the step's plans are made again for it)
 
     @property
     def skips_nonfinite(self) -> bool:
