@@ -153,7 +153,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         self.stats.set_scaler(run.scaler)
         distributed.connect(container, run.scaler, None, None, [])  # under DDP every rank takes the worst verdict
         # (each optimizer.step() a whole step; optimizers that join later join this list)
-        return self._open_steps(LoopHost(self.stats), container, self._optimizers, device=device)
+        return self._open_steps(LoopHost(self.stats, type(self).__name__), container, self._optimizers, device=device)
 
     @property
     def active_mode(self) -> PrecisionMode:

@@ -47,21 +47,28 @@ class Host(Protocol):
     def global_step(self) -> Any:
         """The step to name in a message (the divergence stop's)."""
 
+    @property
+    def plugin(self) -> str:
+        """The plugin's class, named in messages."""
+
 
 class TrainerHost:
     """The Trainer's: a ``LightningModule`` and the ``Trainer`` it is attached to."""
 
-    __slots__ = ("module", "_hooks_write")
+    __slots__ = ("module", "plugin", "_hooks_write")
 
-    def __init__(self, module: Optional[LightningModule]) -> None:
+    def __init__(self, module: Optional[LightningModule], plugin: str = "MPPlugin") -> None:
         self.module = module  # (``None``: a plain model without a Trainer; each step a whole step)
+        self.plugin = plugin
         self._hooks_write: Optional[tuple[bool, bool]] = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"module": None, "_hooks_write": None}  # (a copy holds nothing of the run: the next run binds its own)
+        # (a copy holds nothing of the run: the next run binds its own)
+        return {"module": None, "plugin": self.plugin, "_hooks_write": None}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.module, self._hooks_write = state["module"], state["_hooks_write"]
+        self.plugin = state.get("plugin", "MPPlugin")
 
     @property
     def _trainer(self) -> Any:
@@ -110,13 +117,14 @@ class LoopHost:
     whole step; whatever the loop did since backward (clipping, reading or writing ``.grad``) may have written the
     gradients; the steps taken so far name the step."""
 
-    __slots__ = ("counts",)
+    __slots__ = ("counts", "plugin")
 
     whole_steps = True
     owns_accumulation = False
 
-    def __init__(self, counts: Any) -> None:
+    def __init__(self, counts: Any, plugin: str = "MPFabricPrecision") -> None:
         self.counts = counts  # (the run's StepStats: its ``steps``)
+        self.plugin = plugin
 
     def window_starts(self) -> bool:
         return False

@@ -249,7 +249,8 @@ class ClosurePlan:
         scaler, masters = self.steps.scaler, self.steps.masters
         if scaler is not None and scaler.scaling:
             raise MisconfigurationException(
-                f"MPPlugin: {type(optimizer).__name__} evaluates its closure inside step(), which cannot be combined"
+                f"{self.steps.host.plugin}: {type(optimizer).__name__} evaluates its closure inside step(), which"
+                " cannot be combined"
                 " with a loss scale (fp16 and fp16-true), as torch's GradScaler cannot. Use precision 'fp32', 'tf32',"
                 " 'bf16' or 'bf16-true' with closure-taking optimizers."
             )

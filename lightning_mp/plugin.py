@@ -147,7 +147,7 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         raw = [getattr(opt, "_optimizer", opt) for opt in optimizers]
         release = self.release_grads_after_step and module is not None and not is_overridden(
             "optimizer_zero_grad", module, LightningModule)  # fmt: skip
-        steps = self._open_steps(TrainerHost(module), module or model, raw, device=device,
+        steps = self._open_steps(TrainerHost(module, type(self).__name__), module or model, raw, device=device,
                                  fsdp=self._fsdp_root is not None, release_grads=release, module=module)  # fmt: skip
         if self.hold_schedulers_on_skip and self._run.scaler is not None:
             if self._hold.install(module, lr_schedulers, skipped_for=steps.skipped_for):

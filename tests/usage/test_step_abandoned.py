@@ -274,3 +274,20 @@ def test_fabric_forward_between_clipping_and_step_keeps_the_step(mode, kw):
     opt.step()
     assert torch.equal(weights(model), before)
     assert (plugin.stats.steps, plugin.stats.skipped_steps) == (2, 1)
+
+
+def test_fabric_messages_name_the_fabric_plugin():
+    """An error raised inside the step under Fabric names the class in use, not the Trainer's plugin."""
+    plugin = MPFabricPrecision("fp16", init_scale=2.0**8)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    raw = make_model()
+    model, opt = fabric.setup(raw, torch.optim.LBFGS(raw.parameters(), lr=0.1))
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(data()[0]).float().pow(2).mean()
+        fabric.backward(loss)
+        return loss
+
+    with pytest.raises(Exception, match=r"^MPFabricPrecision: LBFGS evaluates its closure"):
+        opt.step(closure)
