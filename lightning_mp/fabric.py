@@ -150,7 +150,6 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         for module in self._modules:
             self._guard(module, device.type)
         announce(self)
-        self.stats.set_scaler(run.scaler)
         distributed.connect(container, run.scaler, None, None, [])  # under DDP every rank takes the worst verdict
         # (each optimizer.step() a whole step; optimizers that join later join this list)
         return self._open_steps(LoopHost(self.stats, type(self).__name__), container, self._optimizers, device=device)

@@ -106,11 +106,7 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
 
     def set_precision(self, precision: str) -> PrecisionMode:
         """Switch among fp32/tf32/bf16/fp16 between steps (``PrecisionSchedule``); counters and the scale carry over."""
-        mode = self._run.switch(precision, started=self._converted is not None)
-        self.stats.set_scaler(self._run.scaler)
-        if self._steps is not None:
-            self._steps.scaler = self._run.scaler
-        return mode
+        return self._run.switch(precision, started=self._converted is not None)  # (counters and step follow)
 
     # ------------------------------------------------------------------ set-up and teardown
     @override
@@ -118,7 +114,6 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         """Guard the FP32 modules; in true-half modes cast the other weights to half. In place, idempotent."""
         strategy = distributed.strategy_of(module)
         self._run.set_sharded(distributed.check_strategy(strategy, self.mode, self.master_weights, self.fp8_config))
-        self.stats.set_scaler(self._run.scaler)
         device = distributed.root_device(distributed.unwrap_lightning_module(module), module)
         guarded, unguard = guard_for_run(module, self._fp32_guard_spec(device.type))
         self._patches.add(f"FP32 guards on {len(guarded)} modules of {type(module).__name__}", unguard)
@@ -140,7 +135,6 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         mode = self._run.mode
         assert mode is not None  # (settled by connect)
         announce(self, module)  # rank zero, once per fit: "lightning_mp: using bf16 mixed precision (...) on cuda"
-        self.stats.set_scaler(self._run.scaler)
         dtypes = (self.reduce_dtype, self.fsdp_param_dtype)
         fp8 = self._fp8 if mode.fp8 else None
         self._fsdp_root = distributed.connect(model, self._run.scaler, *dtypes, self._comm_hooked, fp8=fp8)

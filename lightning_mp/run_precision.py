@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -56,6 +56,8 @@ class RunPrecision:
         self.mode: Optional[PrecisionMode] = None
         #: the loss scaler (fp16 modes), the inf/NaN step guard (other modes), or ``None`` (``skip_nonfinite=False``)
         self.scaler: Optional[StepGuard] = None
+        #: told of every new scaler (the run's one owner of it: the counters and the step follow from here)
+        self.on_scaler: Optional[Callable[[Optional[StepGuard]], None]] = None
         self.fp8: Optional[FP8Backend] = None  # the FP8 backend (lightning_mp.fp8.backend)
         self.sharded = False  # under Lightning's FSDP strategy (picks the scaler class)
         self._tf32_saved: Optional[tuple[bool, bool]] = None
@@ -87,6 +89,8 @@ class RunPrecision:
             self.fp8 = make_backend(self.settings.fp8)
         previous, self.mode = self.scaler, mode
         self.scaler = self._build_scaler(mode, previous)
+        if self.on_scaler is not None:
+            self.on_scaler(self.scaler)
 
     def use_scaler(self, given: Any, *, started: bool) -> None:
         """``plugin.scaler = given``: train with ``given`` from now on, as if the plugin had been built with it (and

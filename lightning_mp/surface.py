@@ -85,6 +85,13 @@ class PrecisionRun:
         #: the step counters: steps, skipped steps, the loss scale, ... (as long as the plugin lives)
         self.stats = StepStats(self._run.scaler, spike=self._spike)
         self._steps: Optional[OptimizerSteps] = None
+        self._run.on_scaler = self._scaler_changed  # (a mode settled or switched, FSDP's class, a scaler set)
+
+    def _scaler_changed(self, scaler: Any) -> None:
+        """The run has a new scaler: the counters show it, the step's plans are made again for it."""
+        self.stats.set_scaler(scaler)
+        if self._steps is not None:
+            self._steps.scaler = scaler
 
     # ------------------------------------------------------------------ what runs
     @property
@@ -112,11 +119,8 @@ class PrecisionRun:
     def scaler(self, scaler: Optional[torch.amp.GradScaler]) -> None:
         """Set the loss scaler, as on Lightning's ``MixedPrecision``: the plugin trains with it from now on, as if it
         had been given to the constructor (:meth:`~lightning_mp.run_precision.RunPrecision.use_scaler`)."""
-        self._run.use_scaler(scaler, started=self._steps is not None)
+        self._run.use_scaler(scaler, started=self._steps is not None)  # (the counters and the step follow it)
         self._settings = self._run.settings
-        self.stats.set_scaler(self._run.scaler)
-        if self._steps is not None:
-            self._steps.scaler = self._run.scaler  # (the step's plans are made again for it)
 
     @property
     def skips_nonfinite(self) -> bool:
