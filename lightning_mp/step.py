@@ -222,10 +222,13 @@ class OptimizerSteps:
         if self.host.whole_steps:
             if self.release_grads:
                 _release_grads(optimizer)
-            self._update_scale()  # one optimizer per batch: the batch is over
-            self.buffers.drop()
             state.stage = Stage.READY
             self.loss = self.last_loss = None
+            # the batch is over, unless another optimizer's step was prepared with it (a loop that clipped both
+            # first): its gradients were unscaled by this scale, so the scale moves once both have stepped
+            if not any(other.stage is Stage.PREPARED for other in self._optimizers.values()):
+                self._update_scale()
+                self.buffers.drop()
         else:
             state.stage = Stage.STEPPED
             if self.loss is not None:  # the next step judges the losses of the backward calls after this one
@@ -360,6 +363,9 @@ class OptimizerSteps:
             if state.stage is Stage.PREPARED:
                 self.abandon(state)
                 abandoned = True
+        if abandoned and self.host.whole_steps and self._batch_verdicts:  # others of its batch stepped: it is over
+            self._update_scale()
+            self.buffers.drop()
         return abandoned
 
     # ------------------------------------------------------------------ after the step

@@ -291,3 +291,32 @@ def test_fabric_messages_name_the_fabric_plugin():
 
     with pytest.raises(Exception, match=r"^MPFabricPrecision: LBFGS evaluates its closure"):
         opt.step(closure)
+
+
+@pytest.mark.parametrize(("mode", "kw"), CASES, ids=IDS)
+def test_fabric_two_optimizers_clipped_before_either_steps(mode, kw):
+    """Two optimizers over disjoint parameters, both clipped, then both stepped (and, in a second program, the second
+    one left out): each steps its own true gradients, unscaled once, as the fp32 run of the same loop (the loss scale
+    moves once both have stepped: the second's gradients were unscaled with the first's scale)."""
+    def run(precision: MPFabricPrecision, leave_out_second: bool) -> torch.Tensor:
+        fabric = Fabric(accelerator="cpu", devices=1, plugins=[precision])
+        raw = make_model()
+        opt1 = torch.optim.SGD(raw[0].parameters(), lr=0.1, momentum=0.9)
+        opt2 = torch.optim.SGD(raw[2].parameters(), lr=0.1, momentum=0.9)
+        model, opt1, opt2 = fabric.setup(raw, opt1, opt2)
+        for i, x in enumerate(data(4)):
+            fabric.backward(model(x).float().pow(2).mean())
+            fabric.clip_gradients(model, opt1, max_norm=1e4)
+            fabric.clip_gradients(model, opt2, max_norm=1e4)
+            opt1.step()
+            if not (leave_out_second and i == 1):
+                opt2.step()
+            opt1.zero_grad()
+            opt2.zero_grad()
+        return weights(model)
+
+    for leave_out in (False, True):
+        got = run(MPFabricPrecision(mode, **kw), leave_out)
+        want = run(MPFabricPrecision("fp32"), leave_out)
+        tol = 0.0 if mode in ("fp32",) else 0.05
+        assert float((got - want).abs().max()) <= tol, (leave_out, float((got - want).abs().max()))
