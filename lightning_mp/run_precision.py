@@ -125,7 +125,7 @@ class RunPrecision:
 
     def _build_scaler(self, mode: PrecisionMode, previous: Optional[StepGuard]) -> Optional[StepGuard]:
         if self.settings.scaler is not None:  # (a mode that does not scale the loss was refused by check_mode)
-            return adopt_scaler(self.settings.scaler, sharded=self.sharded)
+            return adopt_scaler(self.settings.scaler, sharded=self.sharded, host=self.settings.host)
         if not mode.needs_scaler:
             return NonfiniteGuard(self.device, sharded=self.sharded) if self.settings.skips.skip_nonfinite else None
         scaler = make_scaler(self.settings.scaling, self.device, sharded=self.sharded)

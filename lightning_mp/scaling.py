@@ -471,7 +471,7 @@ def checked_torch_state(state_dict: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def adopt_scaler(given: Any, *, sharded: bool = False) -> DynamicLossScaler:
+def adopt_scaler(given: Any, *, sharded: bool = False, host: str = "MPPlugin") -> DynamicLossScaler:
     """The scaler to train with when a user hands ``MPPlugin(scaler=...)`` one: a :class:`DynamicLossScaler` as it
     is; a ``torch.amp.GradScaler`` by composition, not changed: ours, with its settings and state (torch's rules: no
     hysteresis, floor or cap), whose scale and growth-count tensors the given scaler shares from the first step on,
@@ -483,7 +483,7 @@ def adopt_scaler(given: Any, *, sharded: bool = False) -> DynamicLossScaler:
         if all(callable(getattr(given, m, None)) for m in ("scale", "unscale_", "step", "update")):
             return given  # a stand-in with GradScaler's methods (a test double): used as it is, as Lightning does
         raise TypeError(
-            f"MPPlugin(scaler=...) takes a torch.amp.GradScaler or a lightning_mp.DynamicLossScaler, not"
+            f"{host}(scaler=...) takes a torch.amp.GradScaler or a lightning_mp.DynamicLossScaler, not"
             f" {type(given).__name__}."
         )
     target = ShardedDynamicLossScaler if sharded else DynamicLossScaler
