@@ -7,7 +7,8 @@ The entry holds only plain tensors, numbers, strings and dicts (``torch.load(wei
 
 A checkpoint written with Lightning's ``precision="16-mixed"`` (a bare GradScaler state under ``MixedPrecision``)
 resumes with its loss scale. The checkpoint's weights are the truth: its master weights are used only where they
-still round to them (:meth:`lightning_mp.master.MasterWeights.load_state_dict`).
+still round to them, parameter by parameter; weights replaced after the masters were saved (an average written into
+the checkpoint, an edit) are where training starts (:meth:`lightning_mp.master.MasterWeights.load_state_dict`).
 """
 
 from __future__ import annotations

@@ -54,6 +54,7 @@ Example (a plain loop; :class:`lightning_mp.MPPlugin` does all of this from Ligh
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import operator
 import weakref
@@ -344,6 +345,10 @@ class _Entry:
     stamp: tuple[int, int]
     #: micro-batch gradients summed in fp32 (gradient accumulation), until the step takes them
     acc: Optional[Tensor] = None
+    #: whether what is held stands for the weight exactly as it was set (made from the fp32 value the weight was cast
+    #: from, or from the weight itself), not stepped nor written since: then it tells a loaded checkpoint's weights
+    #: at their own precision (:meth:`MasterWeights._as_set`)
+    exact: bool = False
 
 
 @dataclass
@@ -507,14 +512,14 @@ class MasterWeights:
                     " cast the model to one dtype."
                 )
             original = fp32_original(param)
-            entry = _Entry(param, self._new_held(param, original), stamp(param))
+            entry = _Entry(param, self._new_held(param, original), stamp(param), exact=True)
             forget_fp32_original(param)
             self._entries[id(param)] = entry
             self._generation += 1
         elif entry.stamp != stamp(param):
             # written by someone else since our last write: the parameter is the truth
             self._rederive(entry)
-            entry.stamp = stamp(param)
+            entry.stamp, entry.exact = stamp(param), False
         return entry
 
     def _new_held(self, param: Tensor, original: Optional[Tensor]) -> Optional[Tensor]:
@@ -531,6 +536,18 @@ class MasterWeights:
     def _fp32_value(self, entry: _Entry) -> Tensor:
         """The fp32 value the optimizer steps for this parameter (a new tensor unless the master itself)."""
         return entry.param.detach().float()
+
+    @staticmethod
+    def _as_set(entry: _Entry) -> bool:
+        """Whether what ``entry`` holds is the weight as it was set from outside, at that value's own precision (see
+        :attr:`_Entry.exact`; the weight not written since). A checkpoint restored into an fp32 model before the cast:
+        the fp32 value of each weight the checkpoint holds, also one saved with more than half precision."""
+        return entry.exact and entry.stamp == stamp(entry.param)
+
+    def _known(self, entry: _Entry) -> Tensor:
+        """The weight's value as precisely as it is known, in fp32 (a new tensor): what is held where that is the
+        weight as set (:meth:`_as_set`), else the half weight."""
+        return self._fp32_value(entry) if self._as_set(entry) else entry.param.detach().float()
 
     # ------------------------------------------------------------------ gradient accumulation
     def carry_grads_(self, params: Iterable[Tensor]) -> None:
@@ -623,7 +640,9 @@ class MasterWeights:
         if layout is None or not layout.current(optimizer, self._generation):
             layout = _Layout.build(optimizer, self._entry, self._standin)
             layout.generation = self._generation  # (entries it made moved the generation)
-            self._made(layout)
+            for entry in layout.entries:  # (stepped from now on: what they hold is no longer the weights as set)
+                entry.exact = False
+            self._made(layout, [other for opt, other in self._layouts.items() if opt is not optimizer])
             self._layouts[optimizer] = layout
         return layout
 
@@ -633,8 +652,9 @@ class MasterWeights:
         return nn.Parameter(torch.empty(0, dtype=torch.float32, device=entry.param.device),
                             requires_grad=entry.param.requires_grad)
 
-    def _made(self, layout: "_Layout") -> None:
-        """What a kind adds to a new layout (nothing where the stand-ins keep no value between steps)."""
+    def _made(self, layout: "_Layout", others: list["_Layout"]) -> None:
+        """What a kind adds to a new layout (nothing where the stand-ins keep no value between steps); ``others``: the
+        other optimizers' layouts."""
 
     def _refresh(self, layout: "_Layout", picked: Optional[list[int]]) -> None:
         """The stand-ins of the parameters the step takes (``picked``; ``None``: all) get their values: what is held
@@ -773,9 +793,13 @@ class MasterWeights:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from :meth:`state_dict`, keeping only what still fits the model's weights.
 
-        Masters (or compensation) of a parameter whose checkpointed weight is not what the master rounds to are
-        derived from the weight instead: the checkpoint's weights are the truth. A state of another kind is
-        converted through the fp32 values.
+        The checkpoint's weights are the truth, parameter by parameter: where a weight is what its saved master
+        rounds to, every element (an ordinary resume), the master goes on exactly; where it is not (its weights were
+        replaced after the masters were saved: an average written into the checkpoint, an edit, another model's
+        weights) the master (or compensation) is derived from the weight, at the precision it was restored with (an
+        fp32 value restored into the fp32 model before the cast counts in full, not rounded to half precision; a
+        Kahan compensation also needs the weights it was saved with, by their fingerprint). A state of another kind
+        is converted through the fp32 values.
 
         Raises:
             ValueError: when the state is corrupted or names parameters this model does not have.
@@ -1015,6 +1039,7 @@ def _rekeyed(into: defaultdict, state: dict, keys: dict[int, Tensor]) -> default
 
 
 _VERSION = operator.attrgetter("_version")
+_SET_GRAD = cast(Any, Tensor.grad).__set__
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _LAYOUT = operator.attrgetter("layout")
 _DENSE_TYPES, _STRIDED, _PLAIN = {Tensor}, {torch.strided}, (Tensor, nn.Parameter)
@@ -1061,6 +1086,10 @@ class _Layout:
     #: with ``flat``: the masters' own flat buffer (their ``.data`` are views of it), and the weights as flat views
     mflat: Optional[Tensor] = None
     flat_half: Optional[list[Tensor]] = None
+    #: with ``flat`` but not ``mflat`` (masters another optimizer's layout steps too, which stay where they are): the
+    #: masters as flat views of their own storages, and the elements of each
+    mviews: Optional[list[Tensor]] = None
+    sizes: Optional[list[int]] = None
 
     @classmethod
     def build(
@@ -1108,12 +1137,13 @@ class _Layout:
                 return False
         return True
 
-    def flatten(self) -> None:
+    def flatten(self, *, masters: bool = True) -> None:
         """Small layouts (:data:`FLAT_GRADS_MAX_NUMEL`) of contiguous parameters on one device: the fp32 gradients in
         one flat buffer kept from step to step (views of it, made once, are the stand-ins' gradients: no allocation a
         step, and the check reads one tensor), and the stand-ins' values in another (their ``.data`` become views of
-        it: following the weights is four kernels for all of them). For stand-ins that keep their values between
-        steps (the fp32 masters): the kinds that keep no fp32 copy keep no fp32 gradients either."""
+        it: following the weights is four kernels for all of them; with ``masters=False`` their storages stay, and
+        following reads them through flat views, :attr:`mviews`). For stand-ins that keep their values between steps
+        (the fp32 masters): the kinds that keep no fp32 copy keep no fp32 gradients either."""
         half, device = self.half, self.device
         if (self.ptrs is None or device is None or self.total > FLAT_GRADS_MAX_NUMEL
                 or not all(p.is_contiguous() for p in half)):  # (a view is contiguous)
@@ -1123,6 +1153,11 @@ class _Layout:
         self.views = [v.view(p.shape) for v, p in zip(self.flat.split(sizes), half)]
         if any(s.device != device for s in self.standins):
             return  # a master on another device: no flat masters
+        if not masters:
+            if all(s.is_contiguous() for s in self.standins):
+                self.mviews, self.sizes = [s.detach().view(-1) for s in self.standins], sizes
+                self.flat_half = [p.detach().view(-1) for p in half]
+            return
         mflat = torch.empty(self.total, dtype=torch.float32, device=device)
         with torch.no_grad():
             for standin, piece, p in zip(self.standins, mflat.split(sizes), half):
@@ -1160,8 +1195,8 @@ class _Layout:
         g32 = views if views is not None else [torch.empty_like(grad, dtype=torch.float32) for grad in grads]
         torch._foreach_copy_(g32, grads)
         if views is None or not all(map(operator.is_, map(_GRAD, self.standins), g32)):
-            for standin, g in zip(self.standins, g32):
-                standin.grad = g
+            # (every step where a master is in two optimizers' layouts: each step gives it its own gradient)
+            collections.deque(map(_SET_GRAD, self.standins, g32), maxlen=0)
         return g32
 
     def record_grads(self, grads: list[Optional[Tensor]], picked: Optional[list[int]]) -> list[Optional[Tensor]]:
@@ -1273,8 +1308,13 @@ class FP32MasterWeights(MasterWeights):
             cast(nn.Parameter, entry.held).grad = None  # (the layouts' gradient views: their buffer goes too)
         super().to_(device)
 
-    def _made(self, layout: _Layout) -> None:
-        layout.flatten()
+    def _made(self, layout: _Layout, others: list[_Layout]) -> None:
+        # a master another optimizer steps too (a weight in two optimizers: an encoder shared by two heads) keeps its
+        # storage: the other layout's aliases (the write-back's, its flat masters) read it, and both optimizers must
+        # step the one master. Such a layout leaves its masters where they are (followed through flat views), so the
+        # storage of a master never moves while two layouts hold it
+        held = {id(s) for other in others for s in other.standins}
+        layout.flatten(masters=not any(id(s) in held for s in layout.standins))
         layout.alias()
 
     def _refresh(self, layout: _Layout, picked: Optional[list[int]]) -> None:
@@ -1319,13 +1359,20 @@ class FP32MasterWeights(MasterWeights):
                 follow_weight_(master, weight)
 
     def _resync_layout(self, layout: _Layout) -> None:
-        """:meth:`_resync` for a layout: with its masters in one flat buffer, four kernels for all of them."""
-        if layout.mflat is None or layout.flat_half is None:
+        """:meth:`_resync` for a layout: with its masters in one flat buffer, four kernels for all of them; with
+        masters another layout keeps (:attr:`_Layout.mviews`), a copy of them in one buffer and one copy back."""
+        if layout.flat_half is None:
             self._resync(layout.entries)
             return
         weights = torch.cat(layout.flat_half)  # (one kernel: a copy of the weights cast would be one per weight)
-        masters = layout.mflat
+        masters = layout.mflat if layout.mflat is not None else torch.cat(cast(list, layout.mviews))
         torch.where(masters.to(weights.dtype).eq(weights), masters, weights, out=masters)
+        if layout.mflat is None:
+            torch._foreach_copy_(cast(list, layout.mviews), masters.split(cast(list, layout.sizes)))
+
+    def _known(self, entry: _Entry) -> Tensor:
+        held = cast(Tensor, entry.held).detach()
+        return held.clone() if self._as_set(entry) else entry.param.detach().to(held.device, torch.float32)
 
     def _standin(self, entry: _Entry) -> nn.Parameter:
         held = cast(nn.Parameter, entry.held)  # the fp32 kind's masters are Parameters (_new_held)
@@ -1361,10 +1408,10 @@ class FP32MasterWeights(MasterWeights):
         self.load_fp32_values(saved)
 
     def load_fp32_values(self, values: dict[str, Tensor]) -> int:
-        def take(held: Tensor, param: Tensor, value: Optional[Tensor]) -> None:
-            held.copy_(value if value is not None else param.detach())  # (None: the weight is the truth)
+        def take(held: Tensor, param: Tensor, value: Tensor, known: Tensor, fits: bool) -> None:
+            held.copy_(value if fits else known)
 
-        return _take_fp32_values(self._entry_by_name(), values, take)
+        return _take_fp32_values(self._entry_by_name(), values, self._known, take)
 
 
 class KahanCompensation(MasterWeights):
@@ -1376,6 +1423,7 @@ class KahanCompensation(MasterWeights):
         comp = torch.zeros_like(param, memory_format=torch.preserve_format)
         if original is not None:
             comp.copy_(original.to(param.device, torch.float32) - param.detach().float())
+            _no_tie_(param.detach(), comp)  # (what rounding dropped, rounded onto half an ulp: kept just below)
         return comp
 
     def _resync(self, entries: Sequence[_Entry]) -> None:
@@ -1424,27 +1472,38 @@ class KahanCompensation(MasterWeights):
         with torch.no_grad():
             for name, entry in self._entry_by_name().items():
                 if name in saved:
-                    fits = name not in prints or torch.equal(_fingerprint(entry.param), prints[name].cpu())
-                    held = cast(Tensor, entry.held)
-                    held.copy_(saved[name]) if fits else held.zero_()
-                    entry.stamp = stamp(entry.param)
+                    fits = _fits_fingerprint(entry.param, prints.get(name))
+                    held, as_set = cast(Tensor, entry.held), self._as_set(entry)
+                    # the weights as set, where known (see _as_set), hold what rounding dropped from values saved
+                    # with more than half precision (an fp32 average in the checkpoint's weights): then that
+                    # remainder is theirs; the saved compensation is theirs where the weights are half values and
+                    # the ones it was saved with
+                    if fits and not (as_set and bool(held.ne(0).any())):
+                        held.copy_(saved[name])
+                    elif not as_set:
+                        held.zero_()
+                    entry.stamp, entry.exact = stamp(entry.param), False
 
     def load_fp32_values(self, values: dict[str, Tensor]) -> int:
-        def take(held: Tensor, param: Tensor, value: Optional[Tensor]) -> None:
-            if value is None:  # (the weight is the truth: no compensation)
-                held.zero_()
-            else:
-                held.copy_(value - param.float())
+        def take(held: Tensor, param: Tensor, value: Tensor, known: Tensor, fits: bool) -> None:
+            held.copy_((value if fits else known) - param.detach().to(held.device, torch.float32))
+            _no_tie_(param.detach().to(held.device), held)
 
-        return _take_fp32_values(self._entry_by_name(), values, take)
+        return _take_fp32_values(self._entry_by_name(), values, self._known, take)
 
 
 def _take_fp32_values(
-    entries: dict[str, _Entry], values: dict[str, Tensor], take: Callable[[Tensor, Tensor, Optional[Tensor]], None]
+    entries: dict[str, _Entry],
+    values: dict[str, Tensor],
+    known: Callable[[_Entry], Tensor],
+    take: Callable[[Tensor, Tensor, Tensor, Tensor, bool], None],
 ) -> int:
-    """:meth:`MasterWeights.load_fp32_values` for the kinds that hold a tensor a parameter: each named value that
-    rounds to its weight is handed to ``take(held, param, value)``, the others as ``None`` (the weight stays the
-    truth); returns how many were taken."""
+    """:meth:`MasterWeights.load_fp32_values` for the kinds that hold a tensor a parameter: where the weight
+    (``known(entry)``: as precisely as it is known, :meth:`MasterWeights._known`) is what the value rounds to, every
+    element, the value (an ordinary resume: the exact fp32 masters go on); elsewhere the weight was set after the
+    value was saved (an average or an edit in the checkpoint's weights, other weights loaded) and is the truth, at
+    its own precision (an element an average left where it was is the average's too). ``take(held, param, value,
+    known, fits)`` writes what is held; returns how many values were taken."""
     taken = 0
     with torch.no_grad():
         for name, entry in entries.items():
@@ -1453,10 +1512,12 @@ def _take_fp32_values(
                 continue
             held = cast(Tensor, entry.held)
             value = value.to(held.device, torch.float32)
-            fits = bool(value.to(entry.param.dtype).eq(entry.param.detach()).all())
-            take(held, entry.param, value if fits else None)
+            now = known(entry).to(held.device)
+            # (an fp32 weight finer than half precision never equals a rounded value)
+            fits = bool(value.to(entry.param.dtype).float().eq(now).all())
+            take(held, entry.param, value, now, fits)
             taken += fits
-            entry.stamp = stamp(entry.param)
+            entry.stamp, entry.exact = stamp(entry.param), False
     return taken
 
 
@@ -1464,6 +1525,11 @@ def _fingerprint(param: Tensor) -> Tensor:
     """Two float64 sums (of the values and their squares) that tell a weight from an edited one."""
     values = param.detach().double()
     return torch.stack((values.sum(), values.square().sum())).cpu()
+
+
+def _fits_fingerprint(param: Tensor, saved: Any) -> bool:
+    """Whether ``param`` is the weight a saved fingerprint was taken of (no fingerprint saved: taken to be)."""
+    return not isinstance(saved, Tensor) or torch.equal(_fingerprint(param), saved.cpu())
 
 
 def _no_tie_(param: Tensor, comp: Tensor) -> None:
@@ -1544,10 +1610,15 @@ def fp32_values(state: dict[str, Any], params: Mapping[str, Tensor]) -> dict[str
     if kind == "fp32" and isinstance(state.get("masters"), dict):
         return dict(state["masters"])
     if kind == "kahan" and isinstance(state.get("compensation"), dict):
+        # a compensation belongs to the weights it was saved with: not to weights written since (an average or an
+        # edit in the checkpoint's weights), which its fingerprint tells
+        prints = state.get("weights_fingerprint")
+        prints = prints if isinstance(prints, dict) else {}
         return {
             name: params[name].detach().float() + comp.to(params[name].device, torch.float32)
             for name, comp in state["compensation"].items()
             if name in params and isinstance(comp, Tensor) and comp.shape == params[name].shape
+            and _fits_fingerprint(params[name], prints.get(name))
         }
     return {}
 
