@@ -87,6 +87,8 @@ class OptimizerState:
     #: prepared before the step was asked for (by clipping): what the loop did since (read, wrote ``.grad``) is
     #: taken at the step
     early: bool = False
+    #: stepped since the last backward (its gradients, shared ones too, unscaled already where the loss is scaled)
+    stepped: bool = False
 
 
 @dataclass
@@ -501,3 +503,14 @@ def _as_flag(verdict: Optional[Tensor], scaler: StepGuard) -> Tensor:
     if verdict is None:
         return checks.zero_flag(scaler.scale_device)
     return checks.one_flag([verdict], verdict.device)  # (a fused optimizer's found_inf: itself, no dispatcher call)
+
+
+def release_grads(optimizer: Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)`` without its profiler record and per-group bookkeeping (a host cost
+    that counts on small models); an optimizer with its own ``zero_grad`` gets that."""
+    if type(optimizer).zero_grad is not Optimizer.zero_grad:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None

@@ -243,15 +243,12 @@ class DynamicLossScaler(ProtocolStates, torch.amp.GradScaler):
         state = self.optimizer_state(optimizer)
         if state is None or state["stage"] is not OptState.UNSCALED or self._scale is None:
             return
-        per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                grad = param.grad
-                if grad is not None and not grad.is_sparse:
-                    per_device[grad.device].append(grad)
-        with torch.no_grad():
-            for device, grads in per_device.items():
-                torch._foreach_mul_(grads, self._scale.to(device))
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        scale_grads_(grads, self._scale)
+
+    def scale_in_use(self) -> Optional[torch.Tensor]:
+        """The scale gradients are unscaled by now (a copy on the device: no sync; ``None`` before the first)."""
+        return None if self._scale is None else self._scale.detach().clone()
 
     def _check_for_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a fused optimizer's step: find inf/NaN without unscaling (its kernel unscales), as torch does."""
@@ -469,6 +466,78 @@ def checked_torch_state(state_dict: dict[str, Any]) -> dict[str, Any]:
             "clean steps since the last growth, in an int32 tensor",
         ),
     }
+
+
+class SharedGradients:
+    """Parameters that several optimizers hold (an encoder two heads' optimizers both step). A loss scaler unscales
+    each optimizer's gradients in place, so a gradient two optimizers share would lose the scale twice from one
+    backward. What one step unscaled is noted (the gradient tensor, its version after the unscale, the scale); before
+    another optimizer's step unscales it again, a gradient unchanged since gets that scale back (powers of two:
+    exact). Found once per set of optimizers; nothing runs per step where no parameter is shared."""
+
+    def __init__(self) -> None:
+        self.of: dict[int, list[torch.Tensor]] = {}  # optimizer id -> its parameters another optimizer holds too
+        self._noted: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # param id -> (grad, version, scale)
+
+    def find(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        seen: dict[int, int] = defaultdict(int)
+        for optimizer in optimizers:
+            for pid in {id(p) for group in optimizer.param_groups for p in group["params"]}:
+                seen[pid] += 1
+        self.of = {}
+        for optimizer in optimizers:
+            shared = [p for group in optimizer.param_groups for p in group["params"] if seen[id(p)] > 1]
+            if shared:
+                self.of[id(optimizer)] = shared
+        self._noted.clear()
+
+    def join(self, states: list[Any], scaler: Optional["DynamicLossScaler"]) -> None:
+        """An optimizer joined at its first step (Fabric): the sharing is found again; gradients the optimizers that
+        stepped since the last backward unscaled (``scaler``: the loss is scaled) are noted as unscaled."""
+        self.find([state.optimizer for state in states])
+        for state in states:
+            if scaler is not None and state.stepped:
+                self.note(state.optimizer, scaler.scale_in_use())
+
+    def restore_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before ``optimizer``'s unscale: its shared gradients that another step unscaled get their scale back."""
+        again = []
+        for param in self.of.get(id(optimizer), ()):
+            grad, noted = param.grad, self._noted.pop(id(param), None)
+            if grad is not None and noted is not None and noted[0] is grad and noted[1] == grad._version:
+                again.append((grad, noted[2]))
+        for grad, scale in again:
+            scale_grads_([grad], scale)
+
+    def note(self, optimizer: torch.optim.Optimizer, scale: Optional[torch.Tensor]) -> None:
+        """After ``optimizer``'s unscale (and the true gradients written where hooks read them)."""
+        if scale is None:
+            return
+        for param in self.of.get(id(optimizer), ()):
+            grad = param.grad
+            if grad is not None:
+                self._noted[id(param)] = (grad, grad._version, scale)
+
+    def forget(self) -> None:
+        """A backward runs: what it adds is scaled again; the notes (and the gradients they hold) go."""
+        if self._noted:
+            self._noted.clear()
+
+
+def scale_grads_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply gradients by ``scale`` (a power of two: exact), computing half ones in fp32 (the scale may exceed
+    fp16's range) and fp32 ones in one multi-tensor kernel per device. Sparse gradients are left alone."""
+    per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    with torch.no_grad():
+        for grad in grads:
+            if grad.is_sparse:
+                continue
+            if grad.dtype == torch.float32:
+                per_device[grad.device].append(grad)
+            else:
+                grad.copy_(grad.float() * scale.to(grad.device))
+        for device, fp32 in per_device.items():
+            torch._foreach_mul_(fp32, scale.to(device))
 
 
 def adopt_scaler(given: Any, *, sharded: bool = False, host: str = "MPPlugin") -> DynamicLossScaler:

@@ -24,8 +24,9 @@ from lightning_mp.master import MasterWeights
 from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.plans import (
     CheckOnlyPlan, ClosurePlan, GeneralPlan, OptimizerState, Outcome, Plan, Stage, divergence_error, evaluates_closure,
-    first_verdict, standing_in,
+    first_verdict, release_grads, standing_in,
 )
+from lightning_mp.scaling import DynamicLossScaler, SharedGradients
 from lightning_mp.spike import SpikeGuard
 import lightning_mp.verdict as checks
 from lightning_mp.nonfinite import StepGuard
@@ -73,6 +74,7 @@ class OptimizerSteps:
         self._batch_verdicts: list[Tensor | bool] = []  # this batch's verdicts, for the one scale update
         self._carry_sums = False
         self._sums = FP32SumReduction()
+        self._shared = SharedGradients()  # parameters several optimizers hold (a loss scale unscaled once)
         self.host: Host = host_of(None)
         self.overlap = OverlappedCheck()
         self.flags = checks.ZeroFlags()  # the check-only plans' verdict flags
@@ -81,7 +83,7 @@ class OptimizerSteps:
         """A copy (a plugin pickled or deep-copied mid-run) keeps the counters, plans and records, not the run's
         module, trainer or gradient hooks: the next run's :meth:`connect` binds its own."""
         state = self.__dict__.copy()
-        state.update(host=host_of(None), overlap=OverlappedCheck())
+        state.update(host=host_of(None), overlap=OverlappedCheck(), _shared=SharedGradients())
         return state
 
     @property
@@ -100,6 +102,7 @@ class OptimizerSteps:
         the Trainer's). A new ``fit``: earlier records are dropped, the step counters are the plugin's and go on
         (see :meth:`StepStats.optimizer`)."""
         self._optimizers = {id(opt): self._new_state(i, opt) for i, opt in enumerate(optimizers)}
+        self._shared.find(optimizers)
         self._batch_verdicts = []
         self.buffers.drop()
         self.buffers.forget_plan()
@@ -120,9 +123,6 @@ class OptimizerSteps:
         self.overlap.remove()
         self.buffers.close()
 
-    def _accumulating(self) -> bool:
-        return self.host.accumulate() > 1
-
     def _new_state(self, index: int, optimizer: Optimizer) -> OptimizerState:
         state = OptimizerState(index, optimizer, stats=self.stats.optimizer(index))
         self.stats.bind_optimizer(optimizer, index)  # (stats.skipped_for(optimizer): held weakly)
@@ -136,6 +136,8 @@ class OptimizerSteps:
         state = self._optimizers.get(id(optimizer))
         if state is None:  # an optimizer made outside configure_optimizers: give it a record too
             state = self._optimizers[id(optimizer)] = self._new_state(len(self._optimizers), optimizer)
+            scaler = self._scaler if self._scaler is not None and self._scaler.scaling else None
+            self._shared.join(list(self._optimizers.values()), cast(Optional[DynamicLossScaler], scaler))
         return state
 
     # ------------------------------------------------------------------ around forward and backward
@@ -177,11 +179,14 @@ class OptimizerSteps:
         """
         if self.abandon_prepared():
             self.loss = None  # (the spike guard judges what backward ran on since the last step taken)
+        self._shared.forget()
+        for state in self._optimizers.values():
+            state.stepped = False
         if self.spike is not None and isinstance(loss, Tensor) and loss.numel() == 1:
             loss = loss.detach().reshape(()).float()
             self.loss = loss if self.loss is None else self.loss + loss
         self.overlap.arm()
-        if self._carry_sums and self._accumulating():
+        if self._carry_sums and self.host.accumulate() > 1:
             assert self.masters is not None  # _carry_sums: there are masters
             self.masters.carry_grads_(module.parameters())
             if grads_synced(module):
@@ -218,10 +223,10 @@ class OptimizerSteps:
             scaler.verdicts.forget(optimizer)
             self._batch_verdicts.append(cast("Tensor | bool", outcome.scale_verdict))
         state.stats.record(outcome.skipped, outcome.flag)
-        state.norm, state.early = None, False
+        state.norm, state.early, state.stepped = None, False, True
         if self.host.whole_steps:
             if self.release_grads:
-                _release_grads(optimizer)
+                release_grads(optimizer)
             state.stage = Stage.READY
             self.loss = self.last_loss = None
             # the batch is over, unless another optimizer's step was prepared with it (a loop that clipped both
@@ -263,12 +268,17 @@ class OptimizerSteps:
         # (STEPPED: manual optimization steps this optimizer again in one training step; the loss scale still
         # moves once, when the batch ends, so both steps unscale by the scale their backward used)
         scaler = self._scaler
+        shared = scaler is not None and scaler.scaling and id(optimizer) in self._shared.of
+        if shared:
+            self._shared.restore_(optimizer)  # a gradient another optimizer's step unscaled: its scale back first
         if self.masters is not None:  # check-only modes: the gather's pass finds inf/NaN too (but for a spike guard)
             check = scaler is not None and not scaler.scaling and self.spike is None
             state.records = self.masters.gather(optimizer, check=check, taken=self.overlap.installed)
         first_verdict(self, optimizer, state, scaler)
-        if state.records is not None and ((scaler is not None and scaler.scaling) or self._accumulating()):
+        if state.records is not None and ((scaler is not None and scaler.scaling) or self.host.accumulate() > 1):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
+        if shared:
+            self._shared.note(optimizer, cast(DynamicLossScaler, scaler).scale_in_use())
         state.stage = Stage.PREPARED
 
     def hooks_ran(self, optimizer: Optimizer, *, clipping: bool = False) -> None:
@@ -387,13 +397,3 @@ class OptimizerSteps:
         if consecutive is None or consecutive < limit:
             return
         raise divergence_error(self, state, (consecutive, limit), several=len(self._optimizers) > 1)
-
-def _release_grads(optimizer: Optimizer) -> None:
-    """``optimizer.zero_grad(set_to_none=True)`` without its profiler record and per-group bookkeeping (a host cost
-    that counts on small models); an optimizer with its own ``zero_grad`` gets that."""
-    if type(optimizer).zero_grad is not Optimizer.zero_grad:
-        optimizer.zero_grad(set_to_none=True)
-        return
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            param.grad = None

@@ -203,7 +203,7 @@ def tw_fp16_both(precision: str, order: str) -> list:
     twice (once by each optimizer's step), a matter of the loss scaler, not of the masters (``MPPlugin("fp16")``
     does the same)."""
     if precision == "fp16-true" and order == "both":
-        return [pytest.mark.xfail(strict=True, reason="the shared gradient is unscaled by each optimizer's step")]
+        return []
     return []
 
 
@@ -277,3 +277,14 @@ def test_fabric_a_skipped_step_of_one_optimizer_keeps_the_others_update(precisio
     ref = tw_reference("fabric", "interleaved", "sgd", tuple(TW_POISON.items()))
     got = tw_fabric_run(tw_plugin(precision, kind, fabric=True), "interleaved", "sgd", TW_POISON)
     tw_assert_skip_keeps_the_other(got, ref, f"Fabric {precision} {kind}")
+
+
+@pytest.mark.parametrize("order", ["interleaved", "both"])
+@pytest.mark.parametrize("runner", ["trainer", "fabric"])
+def test_fp16_mixed_shared_gradient_is_unscaled_once(runner, order):
+    """fp16 autocast (fp32 weights, no masters): the shared encoder's gradient loses the loss scale once, whichever
+    order the two backward calls and steps come in (before, both backward calls first divided it by the scale twice)."""
+    plugin = MPFabricPrecision("fp16", init_scale=2.0**8) if runner == "fabric" else MPPlugin("fp16", init_scale=2.0**8)
+    run = tw_fabric_run if runner == "fabric" else tw_trainer_run
+    got = run(plugin, order, "sgd", {})
+    tw_assert_follows(got, tw_reference(runner, order, "sgd"), f"{runner} fp16 {order} sgd")
