@@ -687,14 +687,22 @@ class MasterWeights:
         Returns how many.
         """
         changed = 0
+        into: list[Tensor] = []  # fp32 gradients there, of the same shape: one multi-tensor copy (clipping wrote all)
+        taken: list[Tensor] = []
         with torch.no_grad():
             for r in records.seen():
                 now = _grad_stamp(r.param)
                 if now != r.grad_seen:
-                    grad = r.param.grad
-                    r.standin.grad = None if grad is None else grad.to(torch.float32)
+                    grad, g32 = r.param.grad, r.standin.grad
+                    if grad is not None and g32 is not None and g32.shape == grad.shape and g32.device == grad.device:
+                        into.append(g32)
+                        taken.append(grad)
+                    else:
+                        r.standin.grad = None if grad is None else grad.to(torch.float32)
                     r.grad_seen = now
                     changed += 1
+            if into:
+                torch._foreach_copy_(into, taken)
         return changed
 
     @staticmethod
