@@ -13,7 +13,7 @@ from torch import Tensor
 
 from lightning_mp.modes import PrecisionMode
 from lightning_mp.verdict import _is_dtensor
-from lightning_mp.settings import REDUCE_DTYPES
+from lightning_mp.settings import REDUCE_DTYPES, MasterKind
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -95,13 +95,14 @@ def check_strategy(
     if mode.fp8 and getattr(fp8_config, "weights", None) == "fp8":
         _check_fp8_weights_strategy(strategy)
     shards = sharded or is_strategy(strategy, "ModelParallelStrategy")
-    if shards and mode.fp8 and master_weights not in (None, "fp32"):
+    kind = MasterKind.of(master_weights)
+    if shards and mode.fp8 and kind is not None and not kind.fp32_copy:
         raise MisconfigurationException(
             f"MPPlugin('fp8', master_weights={master_weights!r}) does not run under FSDP or FSDP2: there the fp32"
             " shards are the master weights (fp8={'weights': 'auto'} keeps them fp32 and gathers them for compute)."
             " Leave master_weights unset, or use this option with strategy='ddp' or one device."
         )
-    if sharded and mode.true_half and master_weights != "fp32":
+    if sharded and mode.true_half and (kind is None or not kind.fp32_copy):
         raise MisconfigurationException(
             f"MPPlugin(precision={mode.name!r}, master_weights={master_weights!r}) does not run under FSDP:"
             " there the fp32 shards are the master weights and FSDP gathers half-precision weights for compute,"

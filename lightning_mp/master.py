@@ -70,7 +70,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from lightning_mp._host import HostCopy
 from lightning_mp.verdict import _GRAD, ZeroFlags, check_tensors_
-from lightning_mp.settings import parse_master_weights
+from lightning_mp.settings import MasterKind, parse_master_weights
 
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES: dict[Optional[torch.dtype], str] = {
@@ -1671,7 +1671,7 @@ def attach_master_weights(
         masters = attach_master_weights(optimizer, "kahan", module=model)
     """
     kind = parse_master_weights(kind)
-    if kind in ("none", "optimizer"):
+    if not cast(MasterKind, MasterKind.of(kind)).ours:
         return None
     masters = existing if existing is not None and existing.kind == kind else _KINDS[kind]()
     # (one optimizer: a torch optimizer, or one typed by duck as Lightning accepts it)

@@ -72,6 +72,36 @@ REDUCE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 #: the kinds of master weights ``master_weights`` accepts (:mod:`lightning_mp.master`)
 MASTER_WEIGHT_KINDS: tuple[str, ...] = ("fp32", "kahan", "stochastic", "none", "optimizer")
 
+
+@dataclass(frozen=True)
+class MasterKind:
+    """What a kind of master weights means for the run, said once (the parts ask it, never compare its name).
+
+    ``ours``: this package's master weights step the half weights (fp32 copies, Kahan compensation, stochastic
+    rounding); ``keeps_precision``: updates below the half dtype's resolution are kept (by us or by the optimizer), so
+    a LayerNorm may compute in bf16 and its weights keep their fp32 values; ``fp32_copy``: an fp32 copy of every weight
+    lives between steps, which FSDP's fp32 shards can be (the only kind a sharded true-half or FP8 run takes).
+    """
+
+    name: str
+    ours: bool
+    keeps_precision: bool
+    fp32_copy: bool
+
+    @staticmethod
+    def of(name: Optional[str]) -> Optional["MasterKind"]:
+        """The kind named ``name`` (checked already); ``None`` for ``None`` (no true-half mode)."""
+        return None if name is None else _MASTER_KINDS[name]
+
+
+_MASTER_KINDS: Mapping[str, MasterKind] = MappingProxyType({k.name: k for k in (
+    MasterKind("fp32", ours=True, keeps_precision=True, fp32_copy=True),
+    MasterKind("kahan", ours=True, keeps_precision=True, fp32_copy=False),
+    MasterKind("stochastic", ours=True, keeps_precision=True, fp32_copy=False),
+    MasterKind("none", ours=False, keeps_precision=False, fp32_copy=False),
+    MasterKind("optimizer", ours=False, keeps_precision=True, fp32_copy=False),
+)})  # fmt: skip
+
 _F32 = torch.finfo(torch.float32)  # a loss scale is a float32 tensor
 _INT32 = torch.iinfo(torch.int32)  # the growth and hysteresis trackers are int32 tensors
 #: the dynamic-scale arguments a static ``loss_scale`` contradicts

@@ -20,7 +20,7 @@ from lightning_mp.options import describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
 from lightning_mp.run_precision import RunPrecision
 from lightning_mp.scaling import DynamicLossScaler
-from lightning_mp.settings import MPSettings
+from lightning_mp.settings import MasterKind, MPSettings
 from lightning_mp.spike import SpikeGuard
 from lightning_mp.stats import StepStats
 from lightning_mp.step import OptimizerSteps
@@ -199,7 +199,8 @@ class PrecisionRun:
         if mode is not None and not mode.true_half and (device_type or self.device) == "cuda":
             # fp32 weights: CUDA autocast (any mode a schedule switches to) and FP8 norms run these in fp32 already
             spec = spec.without_autocast_fp32()
-        if mode is not None and mode.param_dtype is torch.bfloat16 and self._weights.kind(mode) != "none":
+        kind = MasterKind.of(self._weights.kind(mode))
+        if mode is not None and mode.param_dtype is torch.bfloat16 and kind is not None and kind.keeps_precision:
             spec = spec.with_native_layer_norm()  # (the defaults: torch's LayerNorm on bf16, masters keep fp32 values)
         return spec
 

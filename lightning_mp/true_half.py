@@ -25,6 +25,7 @@ from lightning_mp.master import (
     upcast_kept_,
 )
 from lightning_mp.modes import PrecisionMode
+from lightning_mp.settings import MasterKind
 
 
 def cast_weights_(module: nn.Module, mode: Optional[PrecisionMode], guarded: list[str]) -> Callable[[], object]:
@@ -101,14 +102,14 @@ class MasterWeightsSetup:
             return None  # (under FSDP the fp32 shards are the master weights)
         if self._optimizer_keeps_masters(mode, optimizers):
             return None
-        kind = self.kind(mode)
+        kind = MasterKind.of(self.kind(mode))
         assert kind is not None  # half weights
-        if kind == "none":
+        if not kind.ours:  # ("none": the optimizer steps the half weights; "optimizer" returned above)
             if mode.needs_scaler:
                 _warn_eps_underflow(optimizers)
             return None
-        if self.masters is None or self.masters.kind != kind:
-            self.masters = make_master_weights(kind)
+        if self.masters is None or self.masters.kind != kind.name:
+            self.masters = make_master_weights(kind.name)
         masters = self.masters
         assert masters is not None  # "none" and "optimizer" (no masters of ours) returned above
         if device is not None:
