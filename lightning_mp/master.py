@@ -537,6 +537,21 @@ class MasterWeights:
         """The fp32 value the optimizer steps for this parameter (a new tensor unless the master itself)."""
         return entry.param.detach().float()
 
+    def follow_written(self, pending: Sequence[StepRecords], written: StepRecords) -> None:
+        """Another optimizer's step just wrote weights that prepared steps (``pending``) hold stand-ins of: a weight
+        two optimizers hold, both prepared before either stepped (a Fabric loop that clips both first). Those
+        stand-ins take the fp32 values the written step left, so its update is not overwritten. (fp32 masters need
+        nothing: both optimizers step the one master.)"""
+        if isinstance(self, FP32MasterWeights):
+            return
+        ids = {id(r.param) for r in written.records}
+        with torch.no_grad():
+            for records in pending:
+                for r in records.records:
+                    entry = self._entries.get(id(r.param)) if id(r.param) in ids else None
+                    if entry is not None:
+                        r.standin.data = self._fp32_value(entry)
+
     @staticmethod
     def _as_set(entry: _Entry) -> bool:
         """Whether what ``entry`` holds is the weight as it was set from outside, at that value's own precision (see

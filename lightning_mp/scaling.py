@@ -471,13 +471,15 @@ def checked_torch_state(state_dict: dict[str, Any]) -> dict[str, Any]:
 class SharedGradients:
     """Parameters that several optimizers hold (an encoder two heads' optimizers both step). A loss scaler unscales
     each optimizer's gradients in place, so a gradient two optimizers share would lose the scale twice from one
-    backward. What one step unscaled is noted (the gradient tensor, its version after the unscale, the scale); before
-    another optimizer's step unscales it again, a gradient unchanged since gets that scale back (powers of two:
-    exact). Found once per set of optimizers; nothing runs per step where no parameter is shared."""
+    backward. What one step unscaled is noted (the gradient tensor and the scale) until the next backward: it holds
+    true values from then on, whatever the loop does to it in place (clipping, halving); before another optimizer's
+    step unscales it again, it gets that scale back (powers of two: exact). A gradient the loop replaced by another
+    tensor is taken as the loop gives it. Found once per set of optimizers; nothing runs per step where no parameter
+    is shared."""
 
     def __init__(self) -> None:
         self.of: dict[int, list[torch.Tensor]] = {}  # optimizer id -> its parameters another optimizer holds too
-        self._noted: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # param id -> (grad, version, scale)
+        self._noted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # param id -> (the gradient, its scale)
 
     def find(self, optimizers: list[torch.optim.Optimizer]) -> None:
         seen: dict[int, int] = defaultdict(int)
@@ -491,21 +493,22 @@ class SharedGradients:
                 self.of[id(optimizer)] = shared
         self._noted.clear()
 
-    def join(self, states: list[Any], scaler: Optional["DynamicLossScaler"]) -> None:
-        """An optimizer joined at its first step (Fabric): the sharing is found again; gradients the optimizers that
-        stepped since the last backward unscaled (``scaler``: the loss is scaled) are noted as unscaled."""
-        self.find([state.optimizer for state in states])
-        for state in states:
-            if scaler is not None and state.stepped:
-                self.note(state.optimizer, scaler.scale_in_use())
+    def join(self, optimizers: list[Any], unscaled: list[Any], scaler: Optional["DynamicLossScaler"]) -> None:
+        """An optimizer joined at its first contact (Fabric): the sharing is found again; the gradients of the
+        optimizers that were unscaled since the last backward (prepared or stepped; ``scaler``: the loss is scaled)
+        are noted as unscaled."""
+        self.find(optimizers)
+        if scaler is not None:
+            for optimizer in unscaled:
+                self.note(optimizer, scaler.scale_in_use())
 
     def restore_(self, optimizer: torch.optim.Optimizer) -> None:
         """Before ``optimizer``'s unscale: its shared gradients that another step unscaled get their scale back."""
         again = []
         for param in self.of.get(id(optimizer), ()):
             grad, noted = param.grad, self._noted.pop(id(param), None)
-            if grad is not None and noted is not None and noted[0] is grad and noted[1] == grad._version:
-                again.append((grad, noted[2]))
+            if grad is not None and noted is not None and noted[0] is grad:
+                again.append((grad, noted[1]))
         for grad, scale in again:
             scale_grads_([grad], scale)
 
@@ -516,7 +519,7 @@ class SharedGradients:
         for param in self.of.get(id(optimizer), ()):
             grad = param.grad
             if grad is not None:
-                self._noted[id(param)] = (grad, grad._version, scale)
+                self._noted[id(param)] = (grad, scale)
 
     def forget(self) -> None:
         """A backward runs: what it adds is scaled again; the notes (and the gradients they hold) go."""

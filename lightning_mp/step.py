@@ -1,9 +1,8 @@
 """One optimizer step, owned in one place: its order, its skip verdict, and what a skipped step leaves untouched.
 
 The order of one step of one optimizer, stage by stage: see :mod:`lightning_mp.plans`, whose plans run stages
-1–7; this module runs stage 8 and what every step ends with (``OptimizerSteps._finish``).
-
-Nothing outside this module sets the verdict; callbacks read :class:`lightning_mp.stats.StepStats`.
+1–7; this module runs stage 8 and what every step ends with (``OptimizerSteps._finish``). Nothing outside this
+module sets the verdict; callbacks read :class:`lightning_mp.stats.StepStats`; the host is :mod:`lightning_mp.host`.
 """
 
 from __future__ import annotations
@@ -60,12 +59,8 @@ class OptimizerSteps:
         spike: Optional[SpikeGuard] = None,
         release_grads: bool = False,
     ) -> None:
-        self._scaler = scaler
-        self.masters = masters
-        self.stats = stats
-        self.max_consecutive_skips = max_consecutive_skips
-        self.saturation = saturation
-        self.spike = spike
+        self._scaler, self.masters, self.stats = scaler, masters, stats
+        self.max_consecutive_skips, self.saturation, self.spike = max_consecutive_skips, saturation, spike
         self.loss: Optional[Tensor] = None  # what backward ran on since the last step (the spike guard's figure)
         self.last_loss: Optional[Tensor] = None  # manual optimization: the loss of this batch's last judged step
         self.release_grads = release_grads
@@ -103,13 +98,12 @@ class OptimizerSteps:
         (see :meth:`StepStats.optimizer`)."""
         self._optimizers = {id(opt): self._new_state(i, opt) for i, opt in enumerate(optimizers)}
         self._shared.find(optimizers)
-        self._batch_verdicts = []
+        self._batch_verdicts, self.host = [], host_of(host)
         self.buffers.drop()
         self.buffers.forget_plan()
         self._sums.reset()
-        self.host = host = host_of(host)
         # fp32 sums of micro-batches: only where the host owns zero_grad (automatic optimization)
-        self._carry_sums = self.masters is not None and host.owns_accumulation
+        self._carry_sums = self.masters is not None and self.host.owns_accumulation
         self.overlap.remove()
         scaler = self._scaler
         if scaler is not None and not scaler.scaling and not scaler.sharded:
@@ -126,9 +120,8 @@ class OptimizerSteps:
     def _new_state(self, index: int, optimizer: Optimizer) -> OptimizerState:
         state = OptimizerState(index, optimizer, stats=self.stats.optimizer(index))
         self.stats.bind_optimizer(optimizer, index)  # (stats.skipped_for(optimizer): held weakly)
-        # device verdicts reach the counters a batch at a time (one copy a batch): the divergence stop then fires up
-        # to a batch late, so the batch is a quarter of its limit at most (none: the stop fires as it did)
-        limit = self.max_consecutive_skips
+        # device verdicts reach the counters a batch at a time (one copy a batch): the stop may fire up to a batch
+        limit = self.max_consecutive_skips  # late, so the batch is a quarter of its limit at most
         state.stats.verdict_batch = _VERDICT_BATCH if limit is None else max(1, min(_VERDICT_BATCH, limit // 4))
         return state
 
@@ -137,7 +130,8 @@ class OptimizerSteps:
         if state is None:  # an optimizer made outside configure_optimizers: give it a record too
             state = self._optimizers[id(optimizer)] = self._new_state(len(self._optimizers), optimizer)
             scaler = self._scaler if self._scaler is not None and self._scaler.scaling else None
-            self._shared.join(list(self._optimizers.values()), cast(Optional[DynamicLossScaler], scaler))
+            unscaled = [s.optimizer for s in self._optimizers.values() if s.stepped or s.stage is Stage.PREPARED]
+            self._shared.join([s.optimizer for s in self._optimizers.values()], unscaled, cast(Any, scaler))
         return state
 
     # ------------------------------------------------------------------ around forward and backward
@@ -177,11 +171,8 @@ class OptimizerSteps:
         ``no_sync`` the sums are this rank's: they are reduced (in fp32) while the window's last backward runs,
         whose half gradients DDP reduces as usual.
         """
-        if self.abandon_prepared():
+        if self.abandon_prepared(backward=True):
             self.loss = None  # (the spike guard judges what backward ran on since the last step taken)
-        self._shared.forget()
-        for state in self._optimizers.values():
-            state.stepped = False
         if self.spike is not None and isinstance(loss, Tensor) and loss.numel() == 1:
             loss = loss.detach().reshape(()).float()
             self.loss = loss if self.loss is None else self.loss + loss
@@ -215,7 +206,10 @@ class OptimizerSteps:
         if outcome.records is not None:
             assert self.masters is not None  # records: gathered by the masters
             self.masters.write_back(outcome.records, skipped=outcome.skipped, found_inf=outcome.flag)
-            state.records = None
+            state.records = None  # (others prepared with it follow what it wrote: a weight both hold)
+            pending = [s.records for s in self._optimizers.values() if s.records is not None]
+            if pending:
+                self.masters.follow_written(pending, outcome.records)
         if outcome.skipped is not False:
             self.buffers.restore(optimizer, outcome.skipped, outcome.flag)
         scaler = self._scaler
@@ -363,13 +357,17 @@ class OptimizerSteps:
             self.saturation()  # (taken and dropped: the next step's forward sets its own)
         state.stage, state.dirty, state.norm, state.early = Stage.READY, True, None, False
 
-    def abandon_prepared(self) -> bool:
+    def abandon_prepared(self, backward: bool = False) -> bool:
         """Undo every step prepared and not taken (a loop that clipped, then went on without ``optimizer.step()``),
         before a backward would mix it into the next step (a forward alone may come between clipping and the step).
         The buffer snapshot stays: a skip of the next step puts back what the left-out batch's forward changed too.
-        Returns whether there was one."""
+        ``backward``: one starts (what it adds is scaled: no gradient is unscaled any more). Returns whether there
+        was a prepared step."""
         abandoned = False
+        if backward:
+            self._shared.forget()
         for state in self._optimizers.values():
+            state.stepped = state.stepped and not backward
             if state.stage is Stage.PREPARED:
                 self.abandon(state)
                 abandoned = True

@@ -6,4 +6,9 @@ without its writes that change no value, or without its validates and with its r
 Trainer on the CPU, the final state), ``oracles.py`` compares; ``test_differential.py`` is the property tests
 (``DIFFERENTIAL_EXAMPLES`` programs each, ``make test-differential`` ten times the default), ``test_found.py`` the
 shrunk failures found so far.
+
+The same for Lightning Fabric loops under MPFabricPrecision: ``fabric_programs.py`` (clipping, steps the loop gives
+up, poisoned steps, two optimizers, accumulation, a save and load), ``fabric_runner.py``, ``fabric_oracles.py``
+(Fabric's own precision of the mode, the loop without its poisoned and given-up steps, the loop without its save
+and load), ``test_fabric_differential.py`` and ``test_fabric_found.py``.
 """
