@@ -37,11 +37,12 @@ import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import _load_master_weights, load_plugin_state, normalise, plugin_state
 from lightning_mp.guards import guard_for_run
 from lightning_mp.host import LoopHost
+from lightning_mp.master import fp32_original
 from lightning_mp.modes import MODES, PrecisionMode, running_mode
 from lightning_mp.nonfinite import NonfiniteGuard
 from lightning_mp.options import announce
 from lightning_mp.scaling import DynamicLossScaler
-from lightning_mp.settings import MPSettings
+from lightning_mp.settings import MasterKind, MPSettings
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.surface import PrecisionRun
 from lightning_mp.true_half import cast_weights_
@@ -343,7 +344,25 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         state = plugin_state(self._run.name, self._run.scaler, self.masters, self._run.fp8, self.stats, self._spike)
         if self._pending is not None and self._pending[1] is not None:  # loaded, not applied yet (no model yet)
             state["master_weights"] = self._pending[1]
+        elif state.get("master_weights") is None:
+            state["master_weights"] = self._originals()
         return state
+
+    def _originals(self) -> Optional[dict[str, Any]]:
+        """Before the first step (no master weights made yet): the exact fp32 values the cast to half replaced, as
+        fp32 masters, so that a checkpoint saved right after ``fabric.setup`` resumes exactly (``None``: none)."""
+        kind = MasterKind.of(self.master_weights)
+        if kind is None or not kind.ours or self._container is None:
+            return None
+        originals = {}
+        for name, param in self._container.named_parameters():
+            value = fp32_original(param)
+            if value is not None:
+                originals[name] = value.detach().to(param.device)
+        if not originals:
+            return None
+        dtype = self.active_mode.param_dtype
+        return {"kind": "fp32", "dtype": "float16" if dtype is torch.float16 else "bfloat16", "masters": originals}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -87,8 +87,6 @@ def test_a_weight_two_optimizers_hold_clipped_by_value_steps_its_true_gradient(m
     _assert_passes(check_against_fabric(FabricProgram(mode=mode, layout="shared", steps=(Step(clip="value"),))))
 
 
-# ---------------------------------------------------------------------------------------------- open
-@pytest.mark.xfail(strict=False, reason="a checkpoint saved before the first step holds no master weights")
 def test_a_checkpoint_saved_before_the_first_step_resumes_exactly():
     """bf16-true (fp32 masters), ``fabric.save`` right after ``fabric.setup`` (no ``plugin.setup_optimizers``,
     no step yet), loaded into a fresh run, one step: the checkpoint holds no master weights (the plugin made none
