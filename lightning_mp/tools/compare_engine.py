@@ -362,99 +362,121 @@ def _make_pace(p: _Participant, scheduler: _Scheduler, device_type: str, untimed
     """The callback that waits for the baton at the start of each optimizer step, times it and reads figures."""
     from lightning.pytorch import Callback
 
-    class Pace(Callback):
-        def __init__(self) -> None:
-            self.losses: list[torch.Tensor] = []
-            self._micro: list[torch.Tensor] = []
-            self._open = False
-            self._stepped = False
-            self._timed = False
-            self._index = -1
-            self._items = 0
-            self._start: Any = None
-            self._t0 = 0.0
-            self._memory_open = False
-            self._monitor_seen: Any = None
+    class Pace(_PaceHooks, Callback):
+        pass
 
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-            if not self._open:  # the first micro-batch of an optimizer step
-                if p.budget <= 0:
-                    scheduler.pause(p)
-                p.budget -= 1
-                self._open, self._stepped, self._items = True, False, 0
-                self._index = p.steps_started
-                p.steps_started += 1
-                self._timed = p.round is not None and not untimed(self._index)
-                if self._index == memory_step and p.step_memory is not None:
-                    p.step_memory.start(pl_module)
-                    self._memory_open = True
-                if self._timed:
-                    if device_type == "cuda":
-                        self._start = torch.cuda.Event(enable_timing=True)
-                        self._start.record()
-                    self._t0 = time.perf_counter()
-            items, p.item_name = _count_items(batch)
-            self._items += items
+    return Pace(p, scheduler, device_type, untimed, memory_step, monitor)
 
-        def on_before_backward(self, trainer, pl_module, loss):
-            if self._memory_open and p.step_memory is not None:
-                p.step_memory.stop()  # the forward is over: every tensor saved for backward is counted
-                self._memory_open = False
 
-        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-            self._stepped = True
-            if self._index == memory_step and p.step_memory is not None:
-                p.step_memory.count_state(pl_module, list(trainer.optimizers), trainer.precision_plugin)
+class _PaceHooks:
+    """The hooks of :func:`_make_pace`'s callback (a Lightning ``Callback`` there; Lightning is imported when a
+    comparison runs, not with this module)."""
 
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-            if p.cuda_memory is not None and p.round is None and p.budget == 0 and self._index <= memory_step:
-                # the last step of the warm-up turn: from here the mode is charged for its own tensors only
-                own = _state_tensors(pl_module, list(trainer.optimizers), trainer.precision_plugin)
-                p.cuda_memory.rebase_to = _storage_bytes(own, cuda_only=True)
-            loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-            if isinstance(loss, torch.Tensor):
-                self._micro.append(loss.detach().float().reshape(()))
-            if not self._step_over(trainer, pl_module):
-                return
-            if self._timed:
-                host = time.perf_counter() - self._t0
-                if device_type == "cuda":
-                    end = torch.cuda.Event(enable_timing=True)
-                    end.record()
-                    p._events.append((p.round, self._start, end, 1000 * host))
-                else:
-                    p.round_times.setdefault(p.round, []).append(1000 * host)
-            self._open = False
-            self._close_memory()
-            if not gc.isenabled():  # between steps, never inside a timed one: the young garbage of this step
-                gc.collect(1 if self._index % 10 == 9 else 0)
-            if self._micro:
-                self.losses.append(self._micro[0] if len(self._micro) == 1 else torch.stack(self._micro).mean())
-                self._micro = []
-            if p.items is None:
-                p.items = self._items
-            if monitor is not None and monitor.last is not self._monitor_seen:
-                self._monitor_seen = monitor.last
-                _merge_headroom(p.headroom, monitor.last)
+    def __init__(self, p: _Participant, scheduler: _Scheduler, device_type: str, untimed: Callable[[int], bool],
+                 memory_step: int, monitor: Any) -> None:
+        self._p, self._scheduler, self._device_type = p, scheduler, device_type
+        self._untimed, self._memory_step, self._monitor = untimed, memory_step, monitor
+        self.losses: list[torch.Tensor] = []
+        self._micro: list[torch.Tensor] = []
+        self._open = False
+        self._stepped = False
+        self._timed = False
+        self._index = -1
+        self._items = 0
+        self._start: Any = None
+        self._t0 = 0.0
+        self._memory_open = False
+        self._monitor_seen: Any = None
 
-        def on_train_end(self, trainer, pl_module):
-            self._close_memory()
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        p = self._p
+        if not self._open:  # the first micro-batch of an optimizer step
+            self._open_step(pl_module)
+        items, p.item_name = _count_items(batch)
+        self._items += items
 
-        def on_exception(self, trainer, pl_module, exception):
-            self._close_memory()
+    def _open_step(self, pl_module) -> None:
+        p = self._p
+        if p.budget <= 0:
+            self._scheduler.pause(p)
+        p.budget -= 1
+        self._open, self._stepped, self._items = True, False, 0
+        self._index = p.steps_started
+        p.steps_started += 1
+        self._timed = p.round is not None and not self._untimed(self._index)
+        if self._index == self._memory_step and p.step_memory is not None:
+            p.step_memory.start(pl_module)
+            self._memory_open = True
+        if self._timed:
+            if self._device_type == "cuda":
+                self._start = torch.cuda.Event(enable_timing=True)
+                self._start.record()
+            self._t0 = time.perf_counter()
 
-        def _close_memory(self) -> None:
-            if self._memory_open and p.step_memory is not None:
-                p.step_memory.stop()
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self._memory_open and self._p.step_memory is not None:
+            self._p.step_memory.stop()  # the forward is over: every tensor saved for backward is counted
             self._memory_open = False
 
-        def _step_over(self, trainer, pl_module) -> bool:
-            if self._stepped or not pl_module.automatic_optimization:
-                return True
-            should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
-            return should_accumulate is None or not should_accumulate()
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._stepped = True
+        p = self._p
+        if self._index == self._memory_step and p.step_memory is not None:
+            p.step_memory.count_state(pl_module, list(trainer.optimizers), trainer.precision_plugin)
 
-    return Pace()
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        p = self._p
+        if p.cuda_memory is not None and p.round is None and p.budget == 0 and self._index <= self._memory_step:
+            # the last step of the warm-up turn: from here the mode is charged for its own tensors only
+            own = _state_tensors(pl_module, list(trainer.optimizers), trainer.precision_plugin)
+            p.cuda_memory.rebase_to = _storage_bytes(own, cuda_only=True)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._micro.append(loss.detach().float().reshape(()))
+        if not self._step_over(trainer, pl_module):
+            return
+        if self._timed:
+            self._record_time()
+        self._open = False
+        self._close_memory()
+        if not gc.isenabled():  # between steps, never inside a timed one: the young garbage of this step
+            gc.collect(1 if self._index % 10 == 9 else 0)
+        if self._micro:
+            self.losses.append(self._micro[0] if len(self._micro) == 1 else torch.stack(self._micro).mean())
+            self._micro = []
+        if p.items is None:
+            p.items = self._items
+        monitor = self._monitor
+        if monitor is not None and monitor.last is not self._monitor_seen:
+            self._monitor_seen = monitor.last
+            _merge_headroom(p.headroom, monitor.last)
+
+    def _record_time(self):
+        p = self._p
+        host = time.perf_counter() - self._t0
+        if self._device_type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            p._events.append((p.round, self._start, end, 1000 * host))
+        else:
+            p.round_times.setdefault(p.round, []).append(1000 * host)
+
+    def on_train_end(self, trainer, pl_module):
+        self._close_memory()
+
+    def on_exception(self, trainer, pl_module, exception):
+        self._close_memory()
+
+    def _close_memory(self) -> None:
+        if self._memory_open and self._p.step_memory is not None:
+            self._p.step_memory.stop()
+        self._memory_open = False
+
+    def _step_over(self, trainer, pl_module) -> bool:
+        if self._stepped or not pl_module.automatic_optimization:
+            return True
+        should_accumulate = getattr(trainer.fit_loop.epoch_loop, "_should_accumulate", None)
+        return should_accumulate is None or not should_accumulate()
 
 
 def _merge_headroom(acc: dict[str, Any], figures: dict[str, float]) -> None:
@@ -556,6 +578,7 @@ def run_jobs(
     per_round = schedule.per_round()
     total = len(participants) * (1 + len(per_round))
     bar = _progress_bar(total, progress)
+    restore_warnings = _warnings_above(bar)
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -571,6 +594,7 @@ def run_jobs(
     finally:
         if bar is not None:
             bar.close()
+        restore_warnings()
         if gc_was_enabled:
             gc.enable()
         pristine.restore()
@@ -603,6 +627,22 @@ def _progress_bar(total: int, progress: Optional[bool]):
         return None
     return tqdm(total=total, file=sys.stderr, leave=False, unit="turn",
                 disable=None if progress is None else False)
+
+
+def _warnings_above(bar: Any) -> Callable[[], None]:
+    """While ``bar`` is drawn, print warnings above it (``tqdm.write``) instead of into its line; returns what puts
+    Python's ``warnings.showwarning`` back (called in ``run_jobs``'s ``finally``)."""
+    if bar is None or getattr(bar, "disable", False):
+        return lambda: None
+    import warnings
+
+    shown = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001 - warnings' own signature
+        bar.write(warnings.formatwarning(message, category, filename, lineno, line).rstrip("\n"), file=sys.stderr)
+
+    warnings.showwarning = show
+    return lambda: setattr(warnings, "showwarning", shown)
 
 
 def _thread_main(p, scheduler, schedule, device_type, seed, initial_state, trainer_kwargs, untimed, monitor_every):

@@ -346,83 +346,10 @@ def _class_path(entry: Any) -> Optional[str]:
 def _spec_from_config(path: str, model: Optional[str], model_json: dict[str, Any], datamodule: Optional[str],
                       dm_json: dict[str, Any], dotted: dict[str, dict[str, tuple[str, str]]],
                       device_type: str) -> Spec:
-    import yaml
-
-    try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except OSError as err:
-        raise InputError("--config", f"{path!r}: cannot read it ({err.strerror})") from None
-    except yaml.YAMLError as err:
-        raise InputError("--config", f"{path!r} is not valid YAML ({' '.join(str(err).split())})") from None
-    data = {} if data is None else data
-    if not isinstance(data, dict):
-        raise InputError("--config", f"{path!r}: a Lightning CLI config is a mapping (trainer:, model:, data:)")
-    notes: list[str] = []
-    modified = False
-    if isinstance(data.get("fit"), dict):  # a whole-CLI config: the fit subcommand's section
-        data, modified = data["fit"], True
-    for key in ("ckpt_path", "subcommand"):
-        if key in data:
-            data, modified = {k: v for k, v in data.items() if k != key}, True
-            notes.append(f"{key}: not applied")
-    unknown = [k for k in data if k not in ("trainer", "model", "data", "seed_everything", "optimizer",
-                                              "lr_scheduler")]
-    if unknown:
-        raise InputError("--config", f"{path!r}: unknown section {unknown[0]!r}; a fit config has trainer, model,"
-                                     " data, optimizer, lr_scheduler and seed_everything")
-    for section in ("trainer", "model", "data"):
-        if data.get(section) is not None and not isinstance(data[section], dict):
-            raise InputError("--config", f"{path!r}: the {section} section is not a mapping")
-
-    # the model: the section's class_path, else --model (default: the built-in GPT-mini, sized to the device)
-    model_section = data.get("model") or {}
-    subclass_model = "class_path" in model_section
-    if subclass_model:
-        model_cls = load_class(str(model_section["class_path"]), "--config")
-        _check_model_class(model_cls, "--config", str(model_section["class_path"]))
-        model_args = dict(model_section.get("init_args") or {})
-    else:
-        if model_section and model is None:
-            model = _builtin_for(model_section, data.get("data") or {})  # the repository's own example configs
-            if model is None:
-                raise InputError("--config", f"{path!r}: the model section has no class_path; name the class with"
-                                             " --model pkg.mod:Class, or add class_path: to the model section")
-            notes.append(f"model: {model} (the built-in model whose arguments the config's model section names;"
-                         " --model picks another)")
-        model = model or "gpt-mini"
-        model_cls = load_class(model, "--model")
-        _check_model_class(model_cls, "--model", model)
-        model_args = dict(model_section)
-        if model == "gpt-mini":
-            sized = builtin_size(device_type)
-            if sized:
-                data, modified = {**data, "model": {**sized, **model_args}}, True
-    check_args(model_cls, list(model_args), lambda n: f"--config {path}: model.{n}")
-    check_args(model_cls, list(model_json), lambda n: "--model-args")
-    check_args(model_cls, list(dotted["model"]), lambda n: dotted["model"][n][1])
-
-    # the data: the section's class_path, else --datamodule (or the built-in example's)
-    data_section = data.get("data") or {}
-    subclass_data = "class_path" in data_section
-    dm_cls = None
-    if subclass_data:
-        dm_cls = load_class(str(data_section["class_path"]), "--config")
-        dm_args = dict(data_section.get("init_args") or {})
-    else:
-        dm_name = datamodule or BUILTIN_DATAMODULES.get(model or "")
-        if data_section and dm_name is None:
-            raise InputError("--config", f"{path!r}: the data section has no class_path; name the class with"
-                                         " --datamodule pkg.mod:DataModule, or add class_path: to the data section")
-        dm_cls = load_class(dm_name, "--datamodule") if dm_name else None
-        dm_args = dict(data_section)
-    if dm_cls is not None:
-        check_args(dm_cls, list(dm_args), lambda n: f"--config {path}: data.{n}")
-        check_args(dm_cls, list(dm_json), lambda n: "--datamodule-args")
-        check_args(dm_cls, list(dotted["data"]), lambda n: dotted["data"][n][1])
-    elif dm_json or dotted["data"]:
-        flag = "--datamodule-args" if dm_json else next(iter(dotted["data"].values()))[1]
-        raise InputError(flag, "data arguments need a data module: add --datamodule or a data section")
+    data, modified, notes = _read_config(path)
+    model_cls, subclass_model, model, data, modified = _config_model(path, data, modified, notes, model, model_json,
+                                                                     dotted, device_type)
+    dm_cls, subclass_data = _config_data(path, data, datamodule, model, dm_json, dotted)
     trainer_section = data.get("trainer") or {}
     _check_trainer_args(trainer_section, {k: f"--config {path}: trainer.{k}" for k in trainer_section})
     _check_trainer_args(dict(dotted["trainer"]), {k: f for k, (v, f) in dotted["trainer"].items()})
@@ -454,10 +381,103 @@ def _spec_from_config(path: str, model: Optional[str], model_json: dict[str, Any
     described = _namespace_dict(cli.config.get("model"))
     if subclass_model:
         described = _namespace_dict(described.get("init_args"))
-    return Spec(name=str(model or model_section.get("class_path")), model_cls=model_cls, build=build,
+    return Spec(name=str(model or (data.get("model") or {}).get("class_path")), model_cls=model_cls, build=build,
                 describe=_call(model_cls, _non_default(model_cls, described)), trainer_kwargs=trainer_kwargs,
                 plugin_kwargs=plugin_kwargs, notes=notes,
                 seed=seed if isinstance(seed, int) and not isinstance(seed, bool) else None, flag="--config")
+
+
+def _read_config(path: str) -> tuple[dict[str, Any], bool, list[str]]:
+    """The --config file read and checked as a fit config: ``(its sections, modified, notes)``."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except OSError as err:
+        raise InputError("--config", f"{path!r}: cannot read it ({err.strerror})") from None
+    except yaml.YAMLError as err:
+        raise InputError("--config", f"{path!r} is not valid YAML ({' '.join(str(err).split())})") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise InputError("--config", f"{path!r}: a Lightning CLI config is a mapping (trainer:, model:, data:)")
+    notes: list[str] = []
+    modified = False
+    if isinstance(data.get("fit"), dict):  # a whole-CLI config: the fit subcommand's section
+        data, modified = data["fit"], True
+    for key in ("ckpt_path", "subcommand"):
+        if key in data:
+            data, modified = {k: v for k, v in data.items() if k != key}, True
+            notes.append(f"{key}: not applied")
+    unknown = [k for k in data if k not in ("trainer", "model", "data", "seed_everything", "optimizer",
+                                              "lr_scheduler")]
+    if unknown:
+        raise InputError("--config", f"{path!r}: unknown section {unknown[0]!r}; a fit config has trainer, model,"
+                                     " data, optimizer, lr_scheduler and seed_everything")
+    for section in ("trainer", "model", "data"):
+        if data.get(section) is not None and not isinstance(data[section], dict):
+            raise InputError("--config", f"{path!r}: the {section} section is not a mapping")
+    return data, modified, notes
+
+
+def _config_model(path: str, data: dict[str, Any], modified: bool, notes: list[str], model: Optional[str],
+                  model_json: dict[str, Any], dotted: dict[str, dict[str, tuple[str, str]]],
+                  device_type: str) -> tuple[Any, bool, Optional[str], dict[str, Any], bool]:
+    """The config's model class (the section's class_path, else --model; default: the built-in GPT-mini, sized to
+    the device), its arguments checked: ``(class, subclass mode, --model as settled, data, modified)``."""
+    model_section = data.get("model") or {}
+    subclass_model = "class_path" in model_section
+    if subclass_model:
+        model_cls = load_class(str(model_section["class_path"]), "--config")
+        _check_model_class(model_cls, "--config", str(model_section["class_path"]))
+        model_args = dict(model_section.get("init_args") or {})
+    else:
+        if model_section and model is None:
+            model = _builtin_for(model_section, data.get("data") or {})  # the repository's own example configs
+            if model is None:
+                raise InputError("--config", f"{path!r}: the model section has no class_path; name the class with"
+                                             " --model pkg.mod:Class, or add class_path: to the model section")
+            notes.append(f"model: {model} (the built-in model whose arguments the config's model section names;"
+                         " --model picks another)")
+        model = model or "gpt-mini"
+        model_cls = load_class(model, "--model")
+        _check_model_class(model_cls, "--model", model)
+        model_args = dict(model_section)
+        if model == "gpt-mini":
+            sized = builtin_size(device_type)
+            if sized:
+                data, modified = {**data, "model": {**sized, **model_args}}, True
+    check_args(model_cls, list(model_args), lambda n: f"--config {path}: model.{n}")
+    check_args(model_cls, list(model_json), lambda n: "--model-args")
+    check_args(model_cls, list(dotted["model"]), lambda n: dotted["model"][n][1])
+    return model_cls, subclass_model, model, data, modified
+
+
+def _config_data(path: str, data: dict[str, Any], datamodule: Optional[str], model: Optional[str],
+                 dm_json: dict[str, Any], dotted: dict[str, dict[str, tuple[str, str]]]) -> tuple[Any, bool]:
+    """The config's data module class (the section's class_path, else --datamodule, or the built-in example's),
+    its arguments checked: ``(class or None, subclass mode)``."""
+    data_section = data.get("data") or {}
+    subclass_data = "class_path" in data_section
+    dm_cls = None
+    if subclass_data:
+        dm_cls = load_class(str(data_section["class_path"]), "--config")
+        dm_args = dict(data_section.get("init_args") or {})
+    else:
+        dm_name = datamodule or BUILTIN_DATAMODULES.get(model or "")
+        if data_section and dm_name is None:
+            raise InputError("--config", f"{path!r}: the data section has no class_path; name the class with"
+                                         " --datamodule pkg.mod:DataModule, or add class_path: to the data section")
+        dm_cls = load_class(dm_name, "--datamodule") if dm_name else None
+        dm_args = dict(data_section)
+    if dm_cls is not None:
+        check_args(dm_cls, list(dm_args), lambda n: f"--config {path}: data.{n}")
+        check_args(dm_cls, list(dm_json), lambda n: "--datamodule-args")
+        check_args(dm_cls, list(dotted["data"]), lambda n: dotted["data"][n][1])
+    elif dm_json or dotted["data"]:
+        flag = "--datamodule-args" if dm_json else next(iter(dotted["data"].values()))[1]
+        raise InputError(flag, "data arguments need a data module: add --datamodule or a data section")
+    return dm_cls, subclass_data
 
 
 def _builtin_for(model_section: dict[str, Any], data_section: dict[str, Any]) -> Optional[str]:
