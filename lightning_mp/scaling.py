@@ -236,20 +236,6 @@ class DynamicLossScaler(ProtocolStates, torch.amp.GradScaler):
         # torch only refuses them because unscaling could underflow them.
         return super()._unscale_grads_(verdict.real_gradients(optimizer), inv_scale, found_inf, True)
 
-    def rescale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Undo :meth:`unscale_` of a step that is abandoned (prepared, then never taken): the gradients that remain
-        (those the loop did not zero) are multiplied by the scale again, so the next backward adds to gradients in
-        the same units, as if they had never been unscaled. The optimizer's verdict is not touched here."""
-        state = self.optimizer_state(optimizer)
-        if state is None or state["stage"] is not OptState.UNSCALED or self._scale is None:
-            return
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        scale_grads_(grads, self._scale)
-
-    def scale_in_use(self) -> Optional[torch.Tensor]:
-        """The scale gradients are unscaled by now (a copy on the device: no sync; ``None`` before the first)."""
-        return None if self._scale is None else self._scale.detach().clone()
-
     def _check_for_fused_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Before a fused optimizer's step: find inf/NaN without unscaling (its kernel unscales), as torch does."""
         self._check_inf_per_device(optimizer)
@@ -500,7 +486,7 @@ class SharedGradients:
         self.find(optimizers)
         if scaler is not None:
             for optimizer in unscaled:
-                self.note(optimizer, scaler.scale_in_use())
+                self.note(optimizer, scale_in_use(scaler))
 
     def restore_(self, optimizer: torch.optim.Optimizer) -> None:
         """Before ``optimizer``'s unscale: its shared gradients that another step unscaled get their scale back."""
@@ -525,6 +511,21 @@ class SharedGradients:
         """A backward runs: what it adds is scaled again; the notes (and the gradients they hold) go."""
         if self._noted:
             self._noted.clear()
+
+
+def scale_in_use(scaler: DynamicLossScaler) -> Optional[torch.Tensor]:
+    """The scale gradients are unscaled by now (a copy on the device: no sync; ``None`` before the first)."""
+    return None if scaler._scale is None else scaler._scale.detach().clone()
+
+
+def abandon_step(scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    """A step prepared and not taken: its verdict goes, and gradients a loss scaler unscaled (those the loop did not
+    zero) get the scale back, so the next backward adds to them in the same units, as if never unscaled."""
+    state = scaler.optimizer_state(optimizer)
+    if scaler.scaling and state is not None and state["stage"] is OptState.UNSCALED and scaler._scale is not None:
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        scale_grads_(grads, scaler._scale)
+    scaler.verdicts.forget(optimizer)
 
 
 def scale_grads_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:

@@ -25,7 +25,7 @@ from lightning_mp.plans import (
     CheckOnlyPlan, ClosurePlan, GeneralPlan, OptimizerState, Outcome, Plan, Stage, divergence_error, evaluates_closure,
     first_verdict, release_grads, standing_in,
 )
-from lightning_mp.scaling import DynamicLossScaler, SharedGradients
+from lightning_mp.scaling import DynamicLossScaler, SharedGradients, abandon_step, scale_in_use
 from lightning_mp.spike import SpikeGuard
 import lightning_mp.verdict as checks
 from lightning_mp.nonfinite import StepGuard
@@ -272,7 +272,7 @@ class OptimizerSteps:
         if state.records is not None and ((scaler is not None and scaler.scaling) or self.host.accumulate() > 1):
             MasterWeights.expose(state.records)  # hooks read the true gradient in the half .grad
         if shared:
-            self._shared.note(optimizer, cast(DynamicLossScaler, scaler).scale_in_use())
+            self._shared.note(optimizer, scale_in_use(cast(DynamicLossScaler, scaler)))
         state.stage = Stage.PREPARED
 
     def hooks_ran(self, optimizer: Optimizer, *, clipping: bool = False) -> None:
@@ -352,7 +352,7 @@ class OptimizerSteps:
             self.masters.write_back(state.records, skipped=True)  # (the stand-ins stand in only inside a `with`)
             state.records = None
         if self.scaler is not None:
-            self.scaler.verdicts.abandon(state.optimizer)
+            abandon_step(self.scaler, state.optimizer)
         if self.saturation is not None:
             self.saturation()  # (taken and dropped: the next step's forward sets its own)
         state.stage, state.dirty, state.norm, state.early = Stage.READY, True, None, False

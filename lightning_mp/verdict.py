@@ -353,13 +353,6 @@ class Verdicts:
         """This optimizer's step is over (or abandoned); the scale moves once per batch, from the step's verdicts."""
         self.scaler.forget_optimizer(optimizer)
 
-    def abandon(self, optimizer: torch.optim.Optimizer) -> None:
-        """This optimizer's step was prepared and is not taken: its verdict goes, and gradients a loss scaler unscaled
-        get the scale back (the next backward adds to them in the scaled units)."""
-        if self.scaler.scaling:
-            self.scaler.rescale_(optimizer)
-        self.forget(optimizer)
-
     def found(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """This step's verdict for ``optimizer``, a flag per device (empty: none set)."""
         state = self.scaler.optimizer_state(optimizer)
