@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import math
 import statistics
 import warnings
 from typing import Any, Callable, Optional
@@ -257,3 +258,38 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
     warnings.filterwarnings("ignore", message=".*smaller than the logging interval.*")
+
+
+# --------------------------------------------------------------------------------------------- modes and paired figures
+#: Lightning's (and Fabric's) precision string of the same mode beside each of our modes
+LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true",
+                       "fp16-true": "16-true"}
+
+
+def mode_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """Our mode and plugin arguments of a spec such as ``"bf16-true/master_weights=none/fp32_modules=none"``
+    (``fp32_modules``: ``none`` is the empty list, else entries joined by ``+``; ``true``/``false`` are booleans,
+    other values strings)."""
+    name, *options = spec.split("/")
+    kwargs: dict[str, Any] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if not value:
+            raise ValueError(f"{spec!r}: options are key=value, e.g. bf16-true/master_weights=none")
+        if key == "fp32_modules":
+            kwargs[key] = [] if value == "none" else value.split("+")
+        else:
+            kwargs[key] = {"true": True, "false": False}.get(value, value)
+    return name, kwargs
+
+
+def paired_summary(ratios: list[float]) -> dict[str, float]:
+    """The median of paired ratios, their interquartile range and a distribution-free 95 % confidence interval of
+    the median (the order statistics of ranks (n - 1.96 √n) / 2 and 1 + (n + 1.96 √n) / 2)."""
+    ordered = sorted(ratios)
+    n = len(ordered)
+    quart = statistics.quantiles(ordered, n=4) if n > 1 else [ordered[0]] * 3
+    half = 1.96 * n**0.5
+    lo, hi = max(0, math.floor((n - half) / 2) - 1), min(n - 1, math.ceil(1 + (n + half) / 2) - 1)
+    return {"ratio": statistics.median(ordered), "q1": quart[0], "q3": quart[2],
+            "ci_lo": ordered[lo], "ci_hi": ordered[hi], "n": n}
