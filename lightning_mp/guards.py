@@ -67,7 +67,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils._pytree import tree_map_only
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 _TORCH_LOSS = "torch.nn.modules.loss._Loss"
 
@@ -184,11 +185,89 @@ class FP32GuardSpec:
             return False
         suffixes = _dotted_suffixes(name)
         class_names = [n for c in type(module).__mro__ if c not in (nn.Module, object) for n in _class_names(c)]
-        return any(
-            fnmatch.fnmatchcase(candidate, pattern)
-            for pattern in self.patterns
-            for candidate in (*suffixes, *class_names)
-        )
+        matched = [
+            pattern for pattern in self.patterns
+            if any(fnmatch.fnmatchcase(candidate, pattern) for candidate in (*suffixes, *class_names))
+        ]
+        if not matched:
+            return False
+        # a default entry alone picked it, and it computes in fp32 by itself (an RMSNorm that upcasts inside): a
+        # guard would add hooks and copies and change nothing (named by anything else, it is guarded as asked)
+        return not (all(p in DEFAULT_FP32_MODULES for p in matched) and computes_in_fp32(module))
+
+
+# --------------------------------------------------------------------------------------------- modules in fp32 already
+#: the operators that reduce (statistics, normalisations, softmax): a module computes in fp32 when these and
+#: everything before them ran on fp32 tensors
+_REDUCTIONS = frozenset({
+    "mean", "sum", "var", "var_mean", "std", "std_mean", "linalg_vector_norm", "norm", "amax", "amin", "logsumexp",
+    "prod", "cumsum", "_softmax", "_log_softmax", "native_layer_norm", "native_group_norm", "native_batch_norm",
+    "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_fused_rms_norm", "rms_norm",
+})
+_CASTS = frozenset({"_to_copy", "to", "clone", "copy_", "detach", "empty_like", "lift_fresh"})
+_FP32_ALREADY: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
+class _DtypeLog(TorchDispatchMode):
+    """The operators a forward runs, each with the dtypes of its floating-point tensor arguments (casts and views
+    left out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in _CASTS:
+            floats = [t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor) and t.is_floating_point()]
+            self.ops.append((name, floats))
+        return func(*args, **kwargs)
+
+
+def computes_in_fp32(module: nn.Module) -> bool:
+    """Whether ``module`` computes in fp32 by itself: given a 16-bit input and 16-bit weights, it reduces (mean,
+    variance, norm, softmax, ...) only fp32 tensors, and nothing before its last reduction runs in 16 bits. LitGPT's
+    and Llama's RMSNorm (``x.float()`` first, ``.to(dtype)`` last) and torch's ``nn.RMSNorm`` do; a norm written in
+    the input's dtype, torch's LayerNorm, GroupNorm and BatchNorm kernels and softmax on a 16-bit input do not.
+
+    Decided once per class, by running its forward on meta tensors (no memory, no kernel) with an input of the
+    module's normalised shape (``normalized_shape``, or its 1-D ``weight``'s); a module without one, with a forward
+    of its own on the instance, or whose forward fails on meta tensors counts as not (it stays guarded)."""
+    cls = type(module)
+    if "forward" in module.__dict__:
+        return False
+    known = _FP32_ALREADY.get(cls)
+    if known is None:
+        known = _FP32_ALREADY[cls] = _probe_fp32(module)
+    return known
+
+
+def _probe_fp32(module: nn.Module) -> bool:
+    shape = getattr(module, "normalized_shape", None)
+    if shape is None:
+        weight = module._parameters.get("weight")
+        shape = tuple(weight.shape) if isinstance(weight, Tensor) and weight.dim() == 1 else None
+    if shape is None:
+        return False
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    half = torch.bfloat16
+
+    def meta(t: Tensor) -> Tensor:
+        return torch.empty(t.shape, dtype=half if t.is_floating_point() else t.dtype, device="meta")
+
+    tensors = {n: meta(t) for n, t in (*module.named_parameters(), *module.named_buffers())}
+    log = _DtypeLog()
+    try:
+        with torch.no_grad(), _reparametrize_module(module, tensors), log:
+            type(module).forward(module, torch.empty((2, *shape), dtype=half, device="meta"))
+    except Exception:  # e.g. a forward that reads values (.item()) or wants another input shape
+        return False
+    last = max((i for i, (name, _) in enumerate(log.ops) if name in _REDUCTIONS), default=None)
+    if last is None:
+        return False
+    wide = (torch.float32, torch.float64)
+    return all(dtype in wide for _, floats in log.ops[: last + 1] for dtype in floats)
 
 
 def is_plain_layer_norm(module: nn.Module) -> bool:
@@ -525,6 +604,41 @@ _FusedLayerNormForward = _GuardedForward  # its earlier name: models pickled wit
 
 def _guarded_forward(module: nn.Module, inner: Any, args: tuple, kwargs: dict) -> Any:
     guard = module.__dict__.get(_GUARD_ATTR)
+    if isinstance(guard, FP32Guard) and guard.hookless:
+        return _plain_layer_norm(module, guard, args, kwargs)
+    return _forward_as_opened(module, guard, inner, args, kwargs)
+
+
+def _plain_layer_norm(module: nn.Module, guard: FP32Guard, args: tuple, kwargs: dict) -> Any:
+    """A plain ``nn.LayerNorm``'s guard, which has no hooks: the common cases call torch's ops directly (outside
+    autocast on a 16-bit input with fp32 weights, see :func:`_fused_layer_norm_forward`; under autocast, where
+    autocast computes it in fp32 itself), the others run the guard's pre-hook and forward hook here, around the
+    forward. No Python runs in backward, and none around the forward but this function. Other pre-hooks of the
+    module see its input as it comes (the fp32 copy is made inside), as they did on the fast path before."""
+    if len(args) == 1 and not kwargs and guard.live and not _compiling():
+        x = args[0]
+        if isinstance(x, Tensor):
+            if not _autocast_enabled():
+                if guard._fused_fits(module, x):
+                    return _fused_layer_norm_forward(module, x)  # type: ignore[arg-type]
+            elif x.dtype == torch.float32 or (
+                x.dtype in _LOW and x.is_cuda and torch.is_autocast_enabled("cuda")
+                and x.numel() < COMPILED_LAYER_NORM_MIN_NUMEL
+            ):
+                return nn.LayerNorm.forward(module, x)  # type: ignore[arg-type]  # (autocast runs it in fp32)
+    prepared = guard.before(module, args, kwargs)
+    if prepared is not None:
+        args, kwargs = prepared
+    output = None
+    try:
+        output = _forward_as_opened(module, guard, None, args, kwargs)
+    finally:
+        cast_back = guard.after(module, args, output)  # (also when the forward raised: the region closes)
+    return output if cast_back is None else cast_back
+
+
+def _forward_as_opened(module: nn.Module, guard: Any, inner: Any, args: tuple, kwargs: dict) -> Any:
+    """The module's forward as its guard's pre-hook opened the call (see :class:`_GuardedForward`)."""
     opened = guard._open[-1] if isinstance(guard, FP32Guard) and guard._open else ()
     if opened is None:  # its pre-hook chose the compiled LayerNorm kernel
         return _fused_layer_norm_forward(module, *args, **kwargs)  # type: ignore[arg-type]
@@ -759,6 +873,9 @@ class FP32Guard:
 
     #: (a class attribute: guards pickled before runs marked theirs load as the user's)
     run: Optional[_RunMark] = None
+    #: a plain ``nn.LayerNorm``'s guard works without hooks (:func:`_plain_layer_norm`); (a class attribute: guards
+    #: pickled before had hooks)
+    hookless: bool = False
 
     def __init__(self, keep_fp32_output: bool, fused_layer_norm: bool = False, run: Optional[_RunMark] = None) -> None:
         self.keep_fp32_output = keep_fp32_output
@@ -877,6 +994,7 @@ class FP32Guard:
         for handle in self.handles:
             handle.remove()
         self.handles = []
+        self.hookless = False
         while self._open:  # regions a KeyboardInterrupt left open (newest first)
             opened = self._open.pop()
             if opened is not None and opened[0] is not None:
@@ -945,12 +1063,15 @@ def _install(
         fused = inner is None and type(sub).forward is nn.LayerNorm.forward
         guard = FP32Guard(keep_fp32_output=_keeps_fp32_output(sub), fused_layer_norm=fused, run=run)
         sub.forward = _GuardedForward(sub, inner)
-        # both first in line: other pre-hooks run inside the fp32 region on fp32 inputs, and other forward
-        # hooks see the output as the next layer receives it
-        guard.handles = [
-            sub.register_forward_pre_hook(guard.before, with_kwargs=True, prepend=True),
-            sub.register_forward_hook(guard.after, always_call=True, prepend=True),
-        ]
+        if fused:  # a plain LayerNorm: its forward does the hooks' work (no hooks: Module.__call__'s fast path)
+            guard.hookless = True
+        else:
+            # both first in line: other pre-hooks run inside the fp32 region on fp32 inputs, and other forward
+            # hooks see the output as the next layer receives it
+            guard.handles = [
+                sub.register_forward_pre_hook(guard.before, with_kwargs=True, prepend=True),
+                sub.register_forward_hook(guard.after, always_call=True, prepend=True),
+            ]
         sub.__dict__[_GUARD_ATTR] = guard
     return names
 
@@ -1019,4 +1140,4 @@ def guard_for_run(
 def fp32_guard_of(module: nn.Module) -> Optional[FP32Guard]:
     """The guard working on this very module, if any (not an inert one: a run's, on a copy, after the run)."""
     guard = module.__dict__.get(_GUARD_ATTR)
-    return guard if isinstance(guard, FP32Guard) and guard.handles and guard.live else None
+    return guard if isinstance(guard, FP32Guard) and (guard.handles or guard.hookless) and guard.live else None

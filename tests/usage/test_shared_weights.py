@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import apply_fp32_guards
@@ -30,6 +31,21 @@ SW_LIGHTNING = {"bf16-true": "bf16-true", "fp16-true": "16-true"}
 SW_KINDS = ("fp32", "kahan", "stochastic", "none")
 SW_VOCAB, SW_WIDTH = 16, 8
 SW_STEPS, SW_POISONED = 14, 5  # the batch (of the first epoch) whose loss is multiplied by inf
+
+
+class SwLayerNormWatch(TorchDispatchMode):
+    """Records the dtype layer_norm computes in: its input's, or, for torch's kernel on a 16-bit input with fp32
+    weights (the guard's fast path leaves the input as it is), fp32."""
+
+    def __init__(self, log: list) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.native_layer_norm.default:
+            x, weight = args[0], args[2]
+            self.log.append(x.dtype if weight is None else torch.promote_types(x.dtype, weight.dtype))
+        return func(*args, **(kwargs or {}))
 
 
 class SwGuardedLinear(nn.Linear):
@@ -87,11 +103,21 @@ class SwNet(LightningModule):
         self.losses: list[float] = []
         for unguarded in (self.emb, self.fc, self.scale):
             unguarded.register_forward_hook(lambda m, a, out: self.residual.append(out.dtype))
-        self.guarded.register_forward_pre_hook(self._record_inside)
+        if isinstance(self.guarded, nn.LayerNorm):
+            # a plain LayerNorm's guard works inside its forward (no hooks): watch the kernel that computes it
+            self.guarded.register_forward_pre_hook(lambda m, a: None if self._watch.__enter__() else None)
+            self.guarded.register_forward_hook(lambda m, a, out: self._watch.__exit__(None, None, None))
+        else:
+            self.guarded.register_forward_pre_hook(self._record_inside)
+
+    @property
+    def _watch(self) -> "SwLayerNormWatch":
+        if "_sw_watch" not in self.__dict__:
+            self.__dict__["_sw_watch"] = SwLayerNormWatch(self.inside)
+        return self.__dict__["_sw_watch"]
 
     def _record_inside(self, module: nn.Module, args: tuple) -> None:
-        # fp32 inputs (the guard upcast them), or, for a plain LayerNorm, fp32 weights: torch's kernel then computes
-        # the 16-bit input in fp32 (the guard's fast path leaves the input as it is)
+        # fp32 inputs: the guard upcast them
         self.inside.append(torch.promote_types(args[0].dtype, module.weight.dtype))
 
     @property
