@@ -3,7 +3,8 @@
 The entry holds only plain tensors, numbers, strings and dicts (``torch.load(weights_only=True)`` reads it)::
 
     {"mode": "fp16", "scaler": {...}, "optimizers": [{"steps": 10, "skipped_steps": 1, "consecutive_skips": 0}],
-     "master_weights": {"kind": "fp32", "masters": {name: tensor}}, "fp8": {...}, "spike": {"values": tensor, ...}}
+     "master_weights": {"kind": "fp32", "masters": {name: tensor}}, "fp8": {...}, "spike": {"values": tensor, ...},
+     "optimizer_states": {"dtype": "bf16", "seed": 24301, "generators": {device: tensor}}}
 
 A checkpoint written with Lightning's ``precision="16-mixed"`` (a bare GradScaler state under ``MixedPrecision``)
 resumes with its loss scale. The checkpoint's weights are the truth: its master weights are used only where they
@@ -26,9 +27,12 @@ from lightning_mp.stats import StepStats
 
 
 def plugin_state(
-    mode: str, scaler: Any, masters: Optional[MasterWeights], fp8: Any, stats: StepStats, spike: Any = None
+    mode: str, scaler: Any, masters: Optional[MasterWeights], fp8: Any, stats: StepStats, spike: Any = None,
+    optimizer_states: Any = None,
 ) -> dict[str, Any]:
     state: dict[str, Any] = {"mode": mode, "optimizers": [s.state_dict() for s in stats.per_optimizer]}
+    if optimizer_states is not None and optimizer_states.active:  # (fp32 moments: nothing, as before the setting)
+        state["optimizer_states"] = optimizer_states.state_dict()
     if spike is not None:
         state["spike"] = spike.state_dict()
     scaler_state = scaler.state_dict() if scaler is not None else {}
@@ -66,6 +70,8 @@ def load_plugin_state(
     stats: StepStats,
     module: Optional[nn.Module],
     spike: Any = None,
+    optimizer_states: Any = None,
+    host: str = "MPPlugin",
 ) -> None:
     state = normalise(state)
     saved_mode = state["mode"]
@@ -88,6 +94,8 @@ def load_plugin_state(
         fp8.load_state_dict(state.get("fp8"))  # warns when the recipe changed
     if spike is not None and state.get("spike") is not None:
         spike.load_state_dict(state["spike"])  # the window of recent losses and gradient norms goes on
+    if optimizer_states is not None:  # the rounding noise goes on; one line where the moments' dtype changes
+        optimizer_states.load_state_dict(state.get("optimizer_states"), host)
 
 
 def _scales(mode: Any) -> bool:

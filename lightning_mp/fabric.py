@@ -186,6 +186,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
                 " others do not). Give every optimizer to plugin.setup_optimizers(...) right after fabric.setup,"
                 " or pass master_weights='optimizer' with optimizers that keep their own masters."
             )
+        self._hold_states([optimizer])
         steps.buffers.forget_plan()
 
     # ------------------------------------------------------------------ forward
@@ -341,7 +342,8 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         if self._pending is not None and self._container is not None:
             self._connected()
             self._load_pending()
-        state = plugin_state(self._run.name, self._run.scaler, self.masters, self._run.fp8, self.stats, self._spike)
+        state = plugin_state(self._run.name, self._run.scaler, self.masters, self._run.fp8, self.stats, self._spike,
+                             self._states)
         if self._pending is not None and self._pending[1] is not None:  # loaded, not applied yet (no model yet)
             state["master_weights"] = self._pending[1]
         elif state.get("master_weights") is None:
@@ -371,7 +373,8 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         state = normalise(state_dict)
         now = {key: value for key, value in state.items() if key != "master_weights"}
         load_plugin_state(now, current_mode=self._run.name, scaler=self._run.scaler, masters=None, master_weights=None,
-                          fp8=self._run.fp8, stats=self.stats, module=None, spike=self._spike)  # fmt: skip
+                          fp8=self._run.fp8, stats=self.stats, module=None, spike=self._spike,
+                          optimizer_states=self._states, host=type(self).__name__)  # fmt: skip
         self._pending = (state["mode"], state.get("master_weights"))
         mode = self._run.mode
         if state.get("master_weights") is not None and mode is not None and mode.true_half and not self._optimizers:

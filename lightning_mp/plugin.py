@@ -76,6 +76,9 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
             run in bf16, their kernel computing in fp32); ``[]``: none.
         master_weights: ``"fp32"`` (the default of true-half modes), ``"kahan"``, ``"stochastic"``, ``"none"``,
             ``"optimizer"`` (:mod:`lightning_mp.master`).
+        optimizer_states: ``"fp32"`` (the default: as the optimizer keeps them) or ``"bf16"``: Adam's and AdamW's
+            moments held in bf16 between steps, each step torch's own on fp32 copies, rounded back stochastically
+            (:mod:`lightning_mp.optim_states`); with fp32 weights or master weights (not ``master_weights="none"``).
         fp8: :class:`~lightning_mp.fp8.FP8Config` or a dict of its fields, for ``precision="fp8"``.
         reduce_dtype: the dtype gradients are reduced in across ranks (``"fp32"``/``None``, ``"bf16"``, ``"fp16"``).
         fsdp_param_dtype: the dtype FSDP gathers parameters in for compute (``"fp32"``/``None``, ``"bf16"``,
@@ -220,13 +223,15 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
     # ------------------------------------------------------------------ checkpoints
     @override
     def state_dict(self) -> dict[str, Any]:
-        return plugin_state(self._run.name, self._run.scaler, self.masters, self._fp8, self.stats, self._spike)
+        return plugin_state(self._run.name, self._run.scaler, self.masters, self._fp8, self.stats, self._spike,
+                            self._states)
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         parts = dict(scaler=self._run.scaler, masters=self.masters, master_weights=self.master_weights, fp8=self._fp8)
         load_plugin_state(state_dict, current_mode=self._run.name, stats=self.stats, module=self._converted,
-                          spike=self._spike, **parts)  # fmt: skip
+                          spike=self._spike, optimizer_states=self._states, host=type(self).__name__,
+                          **parts)  # fmt: skip
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

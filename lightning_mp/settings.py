@@ -63,6 +63,8 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "hold_schedulers_on_skip": True,
     "release_grads_after_step": True,
     "spike_window": 128,  # OLMo-core's
+    # the dtype Adam's moments are held in between steps (lightning_mp.optim_states)
+    "optimizer_states": "fp32",
 })  # fmt: skip
 
 #: the dtype names ``reduce_dtype`` and ``fsdp_param_dtype`` accept
@@ -71,6 +73,10 @@ REDUCE_DTYPES: Mapping[str, torch.dtype] = MappingProxyType(
 )
 #: the kinds of master weights ``master_weights`` accepts (:mod:`lightning_mp.master`)
 MASTER_WEIGHT_KINDS: tuple[str, ...] = ("fp32", "kahan", "stochastic", "none", "optimizer")
+#: the dtypes ``optimizer_states`` accepts for Adam's moments (:mod:`lightning_mp.optim_states`)
+OPTIMIZER_STATE_DTYPES: Mapping[str, Optional[torch.dtype]] = MappingProxyType(
+    {"fp32": None, "bf16": torch.bfloat16}  # None: as the optimizer makes them (fp32 beside fp32 weights or masters)
+)
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,30 @@ def parse_master_weights(value: object) -> str:
     raise ValueError(
         f"master_weights={value!r} is invalid. Accepted values: {', '.join(repr(k) for k in MASTER_WEIGHT_KINDS)},"
         " true (= 'fp32'), false (= 'none'), or null ('fp32' in the true-half modes)."
+    )
+
+
+def parse_optimizer_states(value: object) -> str:
+    """Check an ``optimizer_states`` value (``"fp32"``, ``"bf16"``; any case, ``"float32"``/``"bfloat16"`` too).
+
+    Raises:
+        ValueError: naming the value and the accepted ones (8-bit states: why there are none).
+    """
+    aliases = {"float32": "fp32", "bfloat16": "bf16"}
+    name = value.strip().lower() if isinstance(value, str) else None
+    name = aliases.get(name, name) if name is not None else None
+    if name is not None and name in OPTIMIZER_STATE_DTYPES:
+        return name
+    hint = ""
+    if name is not None and any(k in name for k in ("8", "int", "fp8", "float8")):
+        hint = (" 8-bit moments are not offered: the well-kept implementations (torchao's AdamW8bit/AdamWFp8,"
+                " bitsandbytes') replace the optimizer class and its step; use one of them directly with"
+                " optimizer_states='fp32'.")
+    elif name in ("fp16", "float16", "half"):
+        hint = " fp16 moments are not offered: the second moment (squared gradients) underflows fp16's range."
+    raise ValueError(
+        f"optimizer_states={value!r} is invalid. Accepted values: 'fp32' (the default: as the optimizer keeps them)"
+        f" and 'bf16' (Adam's and AdamW's moments held in bf16, rounded stochastically).{hint}"
     )
 
 
@@ -382,6 +412,8 @@ class MPSettings(_Settings):
     tf32: Optional[bool] = None
     fp32_modules: FP32GuardSpec = field(default_factory=FP32GuardSpec)
     master_weights: Optional[str] = None
+    #: the dtype Adam's moments are held in between steps: ``"fp32"`` (as the optimizer keeps them) or ``"bf16"``
+    optimizer_states: str = DEFAULTS["optimizer_states"]
     fp8: FP8Config = field(default_factory=FP8Config)
     distributed: DistributedSettings = field(default_factory=DistributedSettings)
     #: the plugin class these settings were built for, named in messages (``MPPlugin``, ``MPFabricPrecision``)
@@ -421,6 +453,7 @@ class MPSettings(_Settings):
             put("fp32_modules", FP32GuardSpec.from_arg(self.fp32_modules))
         if self.master_weights is not None:
             put("master_weights", parse_master_weights(self.master_weights))
+        put("optimizer_states", parse_optimizer_states(self.optimizer_states))
         if self.scaler is not None:
             moved = sorted(self.scaling.changed())
             if moved:  # the given scaler is used as it is: these would be ignored without a word
@@ -456,6 +489,16 @@ class MPSettings(_Settings):
                 " the FP8 layers).")
         if self.master_weights is not None and not mode.true_half and not mode.fp8:
             _refuse_master_weights(self.master_weights, f"precision={mode.name!r} keeps fp32")
+        if self.optimizer_states != "fp32" and self.master_weights in ("none", "optimizer"):
+            held = ("steps the half weights, whose moments torch's Adam keeps in the weights' dtype already"
+                    if self.master_weights == "none" else
+                    "leaves the step to an optimizer that keeps fp32 masters and its own state (Transformer"
+                    " Engine's FusedAdam: exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)")
+            raise ValueError(
+                f"optimizer_states={self.optimizer_states!r} holds the moments of an optimizer that steps fp32"
+                f" values, but master_weights={self.master_weights!r} {held}. Use master_weights='fp32' (the"
+                " default), 'kahan' or 'stochastic' with optimizer_states='bf16', or leave optimizer_states='fp32'."
+            )
         wanted = self.distributed.fsdp_param_dtype
         if wanted not in (None, "fp32") and (mode.autocast_dtype or mode.param_dtype) is not REDUCE_DTYPES[wanted]:
             raise ValueError(

@@ -16,6 +16,7 @@ from lightning_mp.fp8.config import settle_weights
 from lightning_mp.guards import FP32GuardSpec
 from lightning_mp.master import MasterWeights, release_fp32_state_loading
 from lightning_mp.modes import PrecisionMode
+from lightning_mp.optim_states import OptimizerStates
 from lightning_mp.options import describe, plugin_compute_dtype
 from lightning_mp.patches import Patches
 from lightning_mp.run_precision import RunPrecision
@@ -60,6 +61,7 @@ class PrecisionRun:
         release_grads_after_step: bool = True,
         fp32_modules: Optional[list[str]] = None,
         master_weights: Optional[Union[str, bool]] = None,
+        optimizer_states: str = "fp32",
         fp8: Optional[Union[FP8Config, dict]] = None,
         reduce_dtype: Optional[str] = None,
         fsdp_param_dtype: Optional[str] = None,
@@ -78,6 +80,7 @@ class PrecisionRun:
         self._patches = Patches()  # every change to objects we do not own, undone at teardown (lightning_mp.patches)
         layout = settle_weights(settings.fp8, sharded=False, master_weights=settings.master_weights)
         self._weights = MasterWeightsSetup(settings.master_weights, layout)
+        self._states = OptimizerStates(settings.optimizer_states)  # Adam's moments between steps
         self._run = RunPrecision(
             settings, device=settings.device or ("cuda" if torch.cuda.is_available() else "cpu"),
             weights=self._weights, patches=self._patches,
@@ -148,6 +151,12 @@ class PrecisionRun:
         """The master-weights option in force (``None`` outside true-half modes)."""
         return self._weights.kind(self.mode)
 
+    @property
+    def optimizer_states(self) -> str:
+        """The dtype Adam's moments are held in between steps: ``"fp32"`` (as the optimizer keeps them) or
+        ``"bf16"`` (:mod:`lightning_mp.optim_states`)."""
+        return self._states.name
+
     # ------------------------------------------------------------------ the settings (read-only)
     @property
     def settings(self) -> MPSettings:
@@ -216,6 +225,7 @@ class PrecisionRun:
         if masters is not None:
             self._patches.add(f"fp32 state loading of the run's optimizers ({len(optimizers)} at set-up)",
                               lambda: release_fp32_state_loading(optimizers))  # fmt: skip
+        self._hold_states(optimizers)
         fp8 = run.fp8 if run.fp8 is not None and mode.fp8 else None
         steps = OptimizerSteps(
             run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
@@ -227,6 +237,15 @@ class PrecisionRun:
         self.stats.set_fp8(fp8)  # layer_stats, and the probe of saturated and underflowing shares
         run.connect_fp8(module, device, watch=run.scaler is not None, optimizers=optimizers)
         return steps
+
+    def _hold_states(self, optimizers: list[Optimizer]) -> None:
+        """``optimizer_states="bf16"``: hold the moments of ``optimizers`` in bf16 while the run lasts (refused, before
+        training, for an optimizer other than Adam/AdamW)."""
+        if not self._states.active:
+            return
+        for optimizer in optimizers:
+            undo = self._states.hold(optimizer, type(self).__name__)
+            self._patches.add(f"{self._states.name} moments of {type(optimizer).__name__}", undo)
 
     __repr__ = describe  # MPPlugin('fp16', init_scale=1024.0): the mode and the settings that differ from defaults
     compute_dtype = plugin_compute_dtype  # the dtype matmuls run in (lightning_mp.ThroughputMonitor reads it)
