@@ -5,7 +5,10 @@ A LitGPT ``GPT`` trained with Fabric in a plain loop, as LitGPT's pretraining lo
 (foreach AdamW; ``--optimizer fused`` for LitGPT's own choice on a GPU, which Fabric's ``16-mixed`` cannot clip).
 Fabric's side is ``Fabric(precision=...)`` (``bf16-mixed``, ``16-mixed``, ``bf16-true``, ...); ours is
 ``Fabric(plugins=[MPFabricPrecision(mode, ...)])`` with ``plugin.setup_optimizers(optimizer)``, as docs/fabric.md
-shows. Both build the same model config from the same seed and train on the same batches. Two commands:
+shows (``--join-at-step``: without it, as LitGPT's own scripts run, the optimizer joining at its first step; the
+run's set-up differs, e.g. the inf/NaN check during backward of ``lightning_mp.overlap`` is installed only for the
+optimizers known when the run connects). Both build the same model config from the same seed and train on the same
+batches. Two commands:
 
 ``lockstep`` (the trusted figure)
     Fabric's run and ours, both set up in one process, alternate single steps: Fabric's step k, ours, Fabric's
@@ -24,8 +27,10 @@ shows. Both build the same model config from the same seed and train on the same
     the GPU tail after it, medians over ``--profile-steps`` alternating steps; then ``torch.profiler`` over
     ``--profile-steps`` steps of each side: the operators whose self CPU time and the kernels whose GPU time are
     larger in ours, ours minus Fabric's a step, and for the top CPU operators the lightning_mp functions that call
-    them (a second profile of ours with Python stacks); last, cProfile of ours: lightning_mp's own host time a step
-    and its costliest functions.
+    them (a second profile of ours with Python stacks; on a GPU the hooks autograd runs during backward run on its
+    device thread, which the profiler's Python tracer does not follow: their time shows as ``AccumulateGrad``'s own,
+    and cProfile names them); last, cProfile of ours: lightning_mp's own host time a step and its costliest
+    functions.
 ``rounds``
     The older measure: one Fabric per row, the rows' rounds interleaved (``--rounds``), each the median of
     ``--steps`` synchronised steps after ``--warmup``; ratios Fabric / ours of the rounds' medians. Rounds move by
@@ -115,7 +120,7 @@ class Side:
         opt = {"fused": True} if args.optimizer == "fused" else {"foreach": True}
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **opt)
         self.model, self.optimizer = self.fabric.setup(model, optimizer)
-        if self.plugin is not None:
+        if self.plugin is not None and not args.join_at_step:
             self.plugin.setup_optimizers(self.optimizer)
         self.batches = [batch.to(self.fabric.device) for batch in make_batches(args)]
         self.count = 0
@@ -259,8 +264,9 @@ def describe(args: argparse.Namespace) -> str:
     import lightning
 
     shape = "Pythia-160M config" if args.model == "pythia-160m" else f"{args.layers} x {args.embd}"
-    return (f"LitGPT {shape} ({args.model}), {args.batch} x {args.seq} tokens, {args.optimizer} AdamW, clipping every "
-            f"step, on {where}, torch {torch.__version__}, lightning {lightning.__version__}")
+    joins = "joining at its first step" if args.join_at_step else "given to setup_optimizers"
+    return (f"LitGPT {shape} ({args.model}), {args.batch} x {args.seq} tokens, {args.optimizer} AdamW ({joins}), "
+            f"clipping every step, on {where}, torch {torch.__version__}, lightning {lightning.__version__}")
 
 
 # --------------------------------------------------------------------------------------------- profile
@@ -313,7 +319,7 @@ def callers_in_package(prof: Any, names: list[str], top: int = 3) -> dict[str, l
     for event in prof.events():
         if event.name not in found:
             continue
-        where, parent = "(outside lightning_mp)", event.cpu_parent
+        where, parent = "(no lightning_mp frame)", event.cpu_parent
         while parent is not None:
             if marker in parent.name:
                 where = parent.name.split(marker, 1)[-1]
@@ -436,6 +442,9 @@ def parser() -> argparse.ArgumentParser:
                              "bf16-true/master_weights=none/fp32_modules=none")
     common.add_argument("--optimizer", choices=["foreach", "fused"], default="foreach",
                         help="AdamW's implementation (default foreach: Fabric's 16-mixed cannot clip a fused one)")
+    common.add_argument("--join-at-step", action="store_true",
+                        help="ours: no plugin.setup_optimizers(optimizer); the optimizer joins at its first step, as "
+                             "in LitGPT's own scripts")
     sub = p.add_subparsers(dest="command", required=True, metavar="{lockstep,rounds}")
     lock = sub.add_parser("lockstep", parents=[common], help="Fabric's step and ours alternating (the trusted figure)")
     lock.add_argument("--warmup", type=int, default=20, help="untimed steps a side (default 20)")
@@ -477,6 +486,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*precision.*")
+    warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
     {"lockstep": cmd_lockstep, "rounds": cmd_rounds}[args.command](args)
 
 
