@@ -203,6 +203,28 @@ class OptimizerStates:
             self.generator(device).set_state(gen_state)
 
 
+    def compact_checkpoint(self, optimizer_states: Any) -> None:
+        """The optimizer states of a Lightning checkpoint (``checkpoint["optimizer_states"]``) with their moments in
+        :attr:`dtype`: a checkpoint saved after ``fit`` (whose end gave the optimizer its fp32 moments back) holds
+        what one saved during it holds. The moments are new tensors in new dicts: the live optimizer is untouched."""
+        dtype = self.dtype
+        if dtype is None or not isinstance(optimizer_states, list):
+            return
+        for opt_state in optimizer_states:
+            state = opt_state.get("state") if isinstance(opt_state, dict) else None
+            if not isinstance(state, dict):
+                continue
+            opt_state["state"] = {
+                key: {k: v.to(dtype) if k in MOMENTS and _is_fp32(v) else v for k, v in entry.items()}
+                if isinstance(entry, dict) else entry
+                for key, entry in state.items()
+            }
+
+
+def _is_fp32(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dtype == torch.float32
+
+
 def _nothing() -> None:
     pass
 

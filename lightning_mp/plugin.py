@@ -242,6 +242,7 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         module = distributed.unwrap_lightning_module(self._converted)
         if module is not None and isinstance(checkpoint.get("state_dict"), dict):  # (after a run: fp32 guarded weights)
             fp32_state_dict_(checkpoint["state_dict"], module)
+        self._states.compact_checkpoint(checkpoint.get("optimizer_states"))  # (after a run: bf16 moments as during it)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -14,6 +14,8 @@ from conftest import TinyRegressor
 
 pytest.importorskip("jsonargparse")
 pytestmark = pytest.mark.filterwarnings("ignore:LightningCLI's args parameter")
+import torch  # noqa: E402
+from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.cli import LightningCLI  # noqa: E402
 
 from lightning_mp import MPPlugin  # noqa: E402
@@ -30,7 +32,8 @@ FP16_ARGS = {
     "max_consecutive_skips": 7, "hold_schedulers_on_skip": False, "skip_nonfinite": True, "tf32": None,
     "release_grads_after_step": False,
 }
-TRUE_HALF_ARGS = {"precision": "bf16-true", "master_weights": "fp32", "fp32_modules": ["LayerNorm"]}
+TRUE_HALF_ARGS = {"precision": "bf16-true", "master_weights": "fp32", "fp32_modules": ["LayerNorm"],
+                  "optimizer_states": "bf16"}
 
 
 def run_cli(args, cli_class=LightningCLI, **kwargs):
@@ -232,8 +235,10 @@ def test_bad_value_in_yaml_fails_before_training(tmp_path):
         ({"precision": "fp16", "loss_scale": -1.0}, ["loss_scale=-1.0", "finite number > 0"]),
         ({"reduce_dtype": "int8"}, ["reduce_dtype='int8'", "'bf16', 'fp16', 'fp32'"]),
         ({"precision": "fp16", "fsdp_param_dtype": "bf16"}, ["fsdp_param_dtype='bf16'", "not to precision='fp16'"]),
+        ({"optimizer_states": "int8"}, ["optimizer_states='int8'", "'fp32'", "'bf16'"]),
     ],
-    ids=["type", "optional-type", "unknown-argument", "init-check", "reduce-dtype", "fsdp-param-dtype"],
+    ids=["type", "optional-type", "unknown-argument", "init-check", "reduce-dtype", "fsdp-param-dtype",
+         "optimizer-states"],
 )
 def test_short_error_names_argument_value_and_accepted(tmp_path, init_args, fragments):
     with pytest.raises(CLIConfigError) as info:
@@ -348,6 +353,23 @@ def test_short_errors_read_the_reports_of_older_jsonargparse():
     assert short_parse_error(OLD_COMMAND_LINE_LITERAL) == (
         "trainer.callbacks: lightning_mp.NonFiniteDetector(action='explode') is invalid: action takes one of"
         " 'raise', 'warn', 'skip'.")
+
+
+def test_optimizer_states_from_yaml(tmp_path):
+    """A YAML holds Adam's moments in bf16: the plugin built from it trains with them."""
+    path = write_yaml(tmp_path / "states.yaml", {
+        "max_steps": 3, "plugins": [{"class_path": "lightning_mp.MPPlugin",
+                                     "init_args": {"precision": "bf16-true", "optimizer_states": "bf16"}}],
+    }, model={"optimizer": "adam"})
+    seen = {}
+
+    class Seen(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            seen.update({k: v.dtype for s in trainer.optimizers[0].state.values() for k, v in s.items()})
+
+    cli = run_cli(["fit", "--config", str(path)], cli_class=MPLightningCLI, trainer_defaults={"callbacks": [Seen()]})
+    assert cli.trainer.precision_plugin.optimizer_states == "bf16"
+    assert seen["exp_avg"] == seen["exp_avg_sq"] == torch.bfloat16
 
 
 def test_fp8_backend_and_master_weights_from_yaml(tmp_path):

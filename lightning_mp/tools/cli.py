@@ -318,13 +318,15 @@ def short_instantiation_error(trainer_config: Namespace) -> Optional[str]:
 
 
 def _shown_args(cls: type, init_args: dict[str, Any], error_text: str) -> str:
-    # the arguments the error is about: those whose value it quotes, else those it names, else the non-defaults
-    named = [k for k, v in init_args.items() if _mentions(error_text, v)]
+    # the arguments the error is about: those whose value it quotes, else those it names, else the non-defaults (a
+    # default the error quotes among the accepted values, as optimizer_states' 'fp32', is not what it is about)
+    defaults = {k: p.default for k, p in _signature_parameters(cls).items()}
+    given = {k: v for k, v in init_args.items() if k not in defaults or defaults[k] != v}
+    named = [k for k, v in given.items() if _mentions(error_text, v)]
     if not named:
         named = [k for k in init_args if re.search(rf"\b{re.escape(k)}\b", error_text)]
     if not named:
-        defaults = {k: p.default for k, p in _signature_parameters(cls).items()}
-        named = [k for k, v in init_args.items() if k not in defaults or defaults[k] != v]
+        named = list(given)
     return ", ".join(f"{k}={_show(init_args[k], error_text)!r}" for k in named)
 
 
