@@ -203,3 +203,32 @@ def test_deepspeed_is_refused_with_the_way_out():
     model._trainer = SimpleNamespace(strategy=strategy)
     with pytest.raises(Exception, match="MPPlugin does not drive DeepSpeed.*precision='bf16-mixed'"):
         MPPlugin("bf16").convert_module(model)
+
+
+class MomentsDump(Callback):
+    """Each rank's parameters and Adam moments at the end of fit, before the plugin's teardown."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        state = trainer.optimizers[0].state
+        torch.save({"params": {k: v.detach().clone() for k, v in pl_module.named_parameters()},
+                    "moments": [{k: s[k].clone() for k in ("exp_avg", "exp_avg_sq", "step")} for s in state.values()],
+                    "losses": list(pl_module.losses)}, f"{self.folder}/rank{trainer.global_rank}.pt")  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-true"])
+def test_bf16_moments_stay_equal_across_ranks(tmp_path, mode):
+    """optimizer_states='bf16' under DDP: every rank rounds its moments with the same noise, so the replicas stay
+    equal, also past a step skipped for an inf on one rank."""
+    model = OneRankPoison(optimizer="adam", poison_grad=(2,))
+    plugin = MPPlugin(mode, optimizer_states="bf16")
+    make_trainer(plugin, 6, [MomentsDump(str(tmp_path))], devices=2, strategy="ddp_fork").fit(model)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
+    for ours, theirs in zip(ranks[0]["moments"], ranks[1]["moments"]):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert ours[key].dtype == torch.bfloat16 and torch.equal(ours[key], theirs[key]), key
+        assert int(ours["step"]) == int(theirs["step"]) == 5  # six batches, one skipped

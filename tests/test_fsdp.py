@@ -397,3 +397,79 @@ def test_fsdp_use_orig_params_with_empty_shards(tmp_path, mode):
     assert r0["stats"] == r1["stats"] and (r0["stats"]["steps"], r0["stats"]["skipped_steps"]) == (6, 1)
     for name in r0["params"]:
         assert torch.equal(r0["params"][name], r1["params"][name])
+
+
+# ------------------------------------------------------------------------------------ bf16 optimizer state
+class ShardMoments(Callback):
+    """Each rank's Adam moments after every batch (its shards), to compare a skipped step's before and after."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.after = folder, []
+
+    def on_train_batch_end(self, trainer, *args):
+        self.after.append([{k: _local(v).clone() for k, v in s.items()} for s in trainer.optimizers[0].state.values()])
+
+    def on_train_end(self, trainer, pl_module):
+        torch.save(self.after, f"{self.folder}/moments{trainer.global_rank}.pt")
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def test_fsdp_shards_hold_bf16_moments_and_a_device_skip_changes_nothing(tmp_path):
+    """FSDP's flat shards with optimizer_states='bf16': each rank's moment shards are bf16; fp16's skip reaches the
+    fused Adam as found_inf (a skip on the device): the shards' moments and step counts stay bit-identical."""
+    model = FSDPRegressor(poison_grad=(2,))
+    moments = ShardMoments(str(tmp_path))
+    fsdp_trainer(MPPlugin("fp16", init_scale=2.0**8, optimizer_states="bf16"), str(tmp_path),
+                 callbacks_extra=[moments]).fit(model)  # fmt: skip
+    r0, r1 = load(tmp_path)
+    for name in r0["params"]:
+        assert torch.equal(r0["params"][name], r1["params"][name]), name
+    assert (r0["stats"]["skipped_steps"], r0["adam_step"]) == (1, 5)
+    for rank in (0, 1):
+        after = torch.load(tmp_path / f"moments{rank}.pt", weights_only=True)
+        assert {v.dtype for s in after[-1] for k, v in s.items() if k.startswith("exp_avg")} == {torch.bfloat16}
+        for before, skipped in zip(after[1], after[2]):
+            for key in before:
+                assert torch.equal(before[key], skipped[key]), key
+
+
+class FSDP2Regressor(TinyRegressor):
+    """TinyRegressor sharded with FSDP2 (``fully_shard`` in ``configure_model``): DTensor parameters and moments."""
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in (self.net1, self.net2):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class DTensorMoments(Callback):
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def on_train_end(self, trainer, pl_module):
+        state = list(trainer.optimizers[0].state.values())
+        torch.save({"kinds": sorted({type(s["exp_avg"]).__name__ for s in state}),
+                    "local": sorted({str(_local(s[k]).dtype) for s in state for k in ("exp_avg", "exp_avg_sq")}),
+                    "losses": list(pl_module.losses)}, f"{self.folder}/rank{trainer.global_rank}.pt")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_fsdp2_dtensor_moments_are_held_in_bf16(tmp_path):
+    from conftest import ForkModelParallel
+
+    strategy = ForkModelParallel(data_parallel_size=2, tensor_parallel_size=1)
+    make_trainer(MPPlugin("bf16", optimizer_states="bf16"), 6, [DTensorMoments(str(tmp_path))], devices=2,
+                 strategy=strategy).fit(FSDP2Regressor())  # fmt: skip
+    for rank in (0, 1):
+        seen = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert seen["kinds"] == ["DTensor"] and seen["local"] == ["torch.bfloat16"]
+        assert all(math.isfinite(loss) for loss in seen["losses"])
