@@ -554,3 +554,22 @@ def test_the_plot_is_titled_with_the_precision_in_every_mode(tmp_path, monkeypat
         model=TinyRegressor(poison_loss=(2,)))
     assert len(titles) == 1 and re.fullmatch(title, titles[0]), titles
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+def test_moment_underflow_shares_of_the_adam_moments(tmp_path, states):
+    """net2's zeroed weight gives net1 all-zero gradients: net1's 544 moment elements stay 0 of 577 in all."""
+    model = TinyRegressor(optimizer="adam")
+    with torch.no_grad():
+        model.net2.weight.zero_()
+    monitor = PrecisionMonitor(log_every_n_steps=1, moment_underflow=True)
+    fit(tmp_path, MPPlugin("bf16", optimizer_states=states), [monitor], max_steps=1, model=model)
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert monitor.last[f"precision/moment_underflow/{key}"] == pytest.approx(544 / 577)
+    assert float(model.trainer.callback_metrics["precision/moment_underflow/exp_avg_sq"]) == pytest.approx(544 / 577)
+
+    off = PrecisionMonitor(log_every_n_steps=1)  # off by default
+    fit(tmp_path / "off", MPPlugin("bf16", optimizer_states=states), [off], max_steps=1, model=TinyRegressor("adam"))
+    assert not any(name.startswith("precision/moment_underflow") for name in off.last)
+    with pytest.raises(ValueError, match="moment_underflow='yes' is invalid"):
+        PrecisionMonitor(moment_underflow="yes")

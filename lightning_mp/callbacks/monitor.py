@@ -192,6 +192,11 @@ class PrecisionMonitor(Callback):
         fp8_layers: with ``MPPlugin("fp8")``, also log each FP8 layer's scaling as ``precision/fp8_<figure>/<layer>``
             (the backend's ``layer_stats()``: scale, amax, headroom) and the shares its casts lose in the logging
             step, ``fp8_saturated_<tensor>`` and ``fp8_underflow_<tensor>`` (:mod:`lightning_mp.fp8.shares`).
+        moment_underflow: also log the share of the optimizers' Adam moments that are zero or subnormal in the dtype
+            they are held in, ``precision/moment_underflow/exp_avg`` and ``.../exp_avg_sq`` (after the logging
+            step; one pass over the moments then, none between logging steps). With
+            ``MPPlugin(optimizer_states="bf16")`` it shows what bf16 moments lose; any optimizer that keeps
+            ``exp_avg``/``exp_avg_sq`` state is read.
     """
 
     #: it reads gradients and never writes them: MPPlugin's verdict need not look again after this hook
@@ -205,6 +210,7 @@ class PrecisionMonitor(Callback):
         plot: Optional[str] = None,
         prog_bar: bool = False,
         fp8_layers: bool = False,
+        moment_underflow: bool = False,
     ) -> None:
         super().__init__()
         if log_every_n_steps is not None and (
@@ -214,7 +220,8 @@ class PrecisionMonitor(Callback):
                 f"log_every_n_steps={log_every_n_steps!r} is invalid: use an integer >= 1, or None for the"
                 " Trainer's log_every_n_steps."
             )
-        for name, flag in (("layer_stats", layer_stats), ("prog_bar", prog_bar), ("fp8_layers", fp8_layers)):
+        for name, flag in (("layer_stats", layer_stats), ("prog_bar", prog_bar), ("fp8_layers", fp8_layers),
+                           ("moment_underflow", moment_underflow)):  # fmt: skip
             if not isinstance(flag, bool):
                 raise ValueError(f"{name}={flag!r} is invalid: use true or false.")
         self._layer_pattern: Optional[re.Pattern] = None
@@ -243,6 +250,7 @@ class PrecisionMonitor(Callback):
         self.plot = plot
         self.prog_bar = prog_bar
         self.fp8_layers = fp8_layers
+        self.moment_underflow = moment_underflow
 
         #: the figures of the last logging step (the same numbers on every rank)
         self.last: dict[str, float] = {}
@@ -410,6 +418,7 @@ class PrecisionMonitor(Callback):
         figures = _scalar_figures(scalars, counts, grad_norm is not None)
         figures.update(_layer_figures(self._names, maxima, sums, self._grad_scale_used))
         figures.update(_fp8_figures(stats) if self.fp8_layers and stats is not None else {})
+        figures.update(_moment_figures(trainer) if self.moment_underflow else {})
         self.last = figures
         step = trainer.fit_loop.epoch_loop._batches_that_stepped  # where Lightning logs this step's metrics
         self.history.append(
@@ -799,6 +808,35 @@ class _SharedRow:
             return False
         self.pending = figures
         return True
+
+
+#: the Adam moments ``moment_underflow`` reads
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _moment_figures(trainer: Trainer) -> dict[str, float]:
+    """The share of each Adam moment's elements that are zero or subnormal in their dtype, over the optimizers and
+    ranks (element counts summed: shards add up, replicas keep their share). Empty where no optimizer keeps them."""
+    counts: dict[str, list[Tensor]] = {key: [] for key in _MOMENTS}
+    sizes = dict.fromkeys(_MOMENTS, 0)
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for key in _MOMENTS:
+                value = state.get(key) if isinstance(state, dict) else None
+                if isinstance(value, Tensor) and value.is_floating_point():
+                    local = _local(value)
+                    counts[key].append((local.abs() < torch.finfo(local.dtype).tiny).sum())
+                    sizes[key] += local.numel()
+    found = [key for key in _MOMENTS if counts[key]]
+    if not found:
+        return {}
+    device = trainer.strategy.root_device
+    totals = torch.tensor([[float(sizes[k]) for k in found]], dtype=torch.float64, device=device)
+    totals = torch.cat([torch.stack([torch.stack(counts[k]).sum().to(device, torch.float64) for k in found])[None],
+                        totals])  # fmt: skip
+    totals = trainer.strategy.reduce(totals, reduce_op="sum").tolist()  # (one host read, on logging steps)
+    return {f"precision/moment_underflow/{k}": under / size if size else 0.0
+            for k, under, size in zip(found, totals[0], totals[1])}  # fmt: skip
 
 
 def _mp_stats(trainer: Trainer) -> Optional[StepStats]:
