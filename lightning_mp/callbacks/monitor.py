@@ -834,9 +834,9 @@ def _moment_figures(trainer: Trainer) -> dict[str, float]:
     totals = torch.tensor([[float(sizes[k]) for k in found]], dtype=torch.float64, device=device)
     totals = torch.cat([torch.stack([torch.stack(counts[k]).sum().to(device, torch.float64) for k in found])[None],
                         totals])  # fmt: skip
-    totals = trainer.strategy.reduce(totals, reduce_op="sum").tolist()  # (one host read, on logging steps)
+    agreed = trainer.strategy.reduce(totals, reduce_op="sum").tolist()  # (one host read, on logging steps)
     return {f"precision/moment_underflow/{k}": under / size if size else 0.0
-            for k, under, size in zip(found, totals[0], totals[1])}  # fmt: skip
+            for k, under, size in zip(found, agreed[0], agreed[1])}  # fmt: skip
 
 
 def _mp_stats(trainer: Trainer) -> Optional[StepStats]:
