@@ -85,6 +85,11 @@ STOCHASTIC_ROUNDING_SEED = 0x5EED
 #: size (256 MB of fp32 gradients) the buffer would raise the peak of forward and backward by 4 bytes a parameter, so
 #: the gradients are allocated in the step and freed after it, as before
 FLAT_GRADS_MAX_NUMEL = 1 << 26
+#: layouts up to this size keep their fp32 masters in one flat buffer too (no memory added: the masters move there),
+#: so following the weights is four kernels for all of them, not three a weight (a LitGPT 12 x 768: 440 launches a
+#: step less). Larger ones follow weight by weight (one compiled kernel each on CUDA), where the temporary copies of
+#: the flat pass (5 bytes an element) would count
+FLAT_FOLLOW_MAX_NUMEL = 1 << 28
 
 #: fp32 values of parameters cast to half by :func:`cast_module_`, with the stamp the cast left: param -> (fp32, stamp)
 _FP32_ORIGINALS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -1161,19 +1166,21 @@ class _Layout:
         return True
 
     def flatten(self, *, masters: bool = True) -> None:
-        """Small layouts (:data:`FLAT_GRADS_MAX_NUMEL`) of contiguous parameters on one device: the fp32 gradients in
-        one flat buffer kept from step to step (views of it, made once, are the stand-ins' gradients: no allocation a
-        step, and the check reads one tensor), and the stand-ins' values in another (their ``.data`` become views of
+        """Layouts of contiguous parameters on one device: up to :data:`FLAT_GRADS_MAX_NUMEL` elements the fp32
+        gradients in one flat buffer kept from step to step (views of it, made once, are the stand-ins' gradients: no
+        allocation a step, and the check reads one tensor), and up to :data:`FLAT_FOLLOW_MAX_NUMEL` the stand-ins'
+        values in another (their ``.data`` become views of
         it: following the weights is four kernels for all of them; with ``masters=False`` their storages stay, and
         following reads them through flat views, :attr:`mviews`). For stand-ins that keep their values between steps
         (the fp32 masters): the kinds that keep no fp32 copy keep no fp32 gradients either."""
         half, device = self.half, self.device
-        if (self.ptrs is None or device is None or self.total > FLAT_GRADS_MAX_NUMEL
+        if (self.ptrs is None or device is None or self.total > FLAT_FOLLOW_MAX_NUMEL
                 or not all(p.is_contiguous() for p in half)):  # (a view is contiguous)
             return
         sizes = [p.numel() for p in half]
-        self.flat = torch.empty(self.total, dtype=torch.float32, device=device)
-        self.views = [v.view(p.shape) for v, p in zip(self.flat.split(sizes), half)]
+        if self.total <= FLAT_GRADS_MAX_NUMEL:
+            self.flat = torch.empty(self.total, dtype=torch.float32, device=device)
+            self.views = [v.view(p.shape) for v, p in zip(self.flat.split(sizes), half)]
         if any(s.device != device for s in self.standins):
             return  # a master on another device: no flat masters
         if not masters:

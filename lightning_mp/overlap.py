@@ -10,8 +10,8 @@ A maximum counts only for the gradient tensor it was taken from, at the version 
 writes a gradient afterwards (DDP's all-reduce, a hook, an earlier micro-batch's gradient of a parameter the last
 one did not use) leaves the check to the usual pass after backward; under several processes (DDP reduces, and a
 communication hook may compress, the gradients after these hooks) the usual pass runs. Only models large enough for
-backward to be bound by the GPU get the hooks (:data:`MIN_NUMEL`): on a small model a launch per gradient would cost
-host time the GPU cannot hide.
+backward to be bound by the GPU get the hooks (:data:`MIN_NUMEL`, :data:`MIN_NUMEL_PER_GRAD`): on a small model, or
+on one of many small gradients, a launch per gradient would cost host time the GPU cannot hide.
 """
 
 from __future__ import annotations
@@ -24,6 +24,11 @@ from torch.optim import Optimizer
 
 #: a model needs at least this many trainable elements on one device for the overlapped check
 MIN_NUMEL = 1 << 27
+#: and at least this many a gradient on average: each hook costs tens to hundreds of µs of host time (a launch on a
+#: side stream, two stream events), which only a gradient whose backward takes longer on the GPU hides. A LitGPT
+#: 12 x 768 model (163 M elements in 148 gradients, 1.1 M each) ran 28 % slower under Fabric with the hooks (H200);
+#: the 1.89 B GPT of benchmarks/RESULTS.md (about 19 M a gradient) gains 2.7 ms a step with them
+MIN_NUMEL_PER_GRAD = 1 << 22
 #: device types it runs on (on the CPU there is nothing to overlap with; tests add it to check the logic)
 DEVICE_TYPES: tuple[str, ...] = ("cuda",)
 
@@ -54,7 +59,11 @@ class OverlappedCheck:
             p for opt in optimizers for group in opt.param_groups for p in group["params"]
             if isinstance(p, Tensor) and p.requires_grad and type(p.data) is Tensor and not p.is_sparse
         ]
-        if not params or sum(p.numel() for p in params) < MIN_NUMEL or len({p.device for p in params}) != 1:
+        unique = list({id(p): p for p in params}.values())
+        numel = sum(p.numel() for p in unique)
+        if not unique or numel < MIN_NUMEL or numel < MIN_NUMEL_PER_GRAD * len(unique):
+            return False  # (a small model, or many small gradients: launch-bound, the hooks would cost host time)
+        if len({p.device for p in unique}) != 1:
             return False
         device = params[0].device
         if device.type not in DEVICE_TYPES:
@@ -65,7 +74,7 @@ class OverlappedCheck:
             # sees what the step applies
             return False
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in {id(p): p for p in params}.values()]
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p in unique]
         return True
 
     def remove(self) -> None:

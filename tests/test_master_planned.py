@@ -125,12 +125,16 @@ def _assert_same_runs(a, b, case):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-@pytest.mark.parametrize("flat", [True, False], ids=["flat-grads", "grads-a-step"])
+@pytest.mark.parametrize("flat", [True, False, None], ids=["flat-grads", "grads-a-step", "nothing-flat"])
 def test_fp32_common_case_is_bit_identical_to_the_steps_record_by_record(monkeypatch, case, flat):
     """``flat``: small layouts keep their fp32 gradients in one flat buffer from step to step (the default at this
-    size); otherwise they are allocated in the step. Both give the numbers of the steps taken record by record."""
+    size); otherwise they are allocated in the step, with the masters in one flat buffer (mid-size layouts) or
+    (``None``, large ones) where they are. All give the numbers of the steps taken record by record."""
     if not flat:
         monkeypatch.setattr(master_module, "FLAT_GRADS_MAX_NUMEL", 0)
+    if flat is None:
+        monkeypatch.setattr(master_module, "FLAT_FOLLOW_MAX_NUMEL", 0)
+    flat = bool(flat)
     a = _fit(monkeypatch, True, "fp32", **case)
     assert any(a[0].seen_flat) is flat
     b = _fit(monkeypatch, False, "fp32", **case)
@@ -218,13 +222,15 @@ class _Tagger(nn.Module):
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd-sparse"], ids=["adamw", "sgd-with-a-sparse-gradient"])
-@pytest.mark.parametrize("flat", [True, False], ids=["flat-grads", "grads-a-step"])
+@pytest.mark.parametrize("flat", [True, False, None], ids=["flat-grads", "grads-a-step", "nothing-flat"])
 def test_fp32_masters_step_as_fp32_by_hand(monkeypatch, optimizer, flat):
     """A plain loop of the fp32 kind against :class:`_Reference`, bit for bit, over steps that take the common case
     and steps that take their gradients record by record: a frozen layer (no gradient), gradient accumulation (fp32
     sums pending), a weight written outside the step, and, with SGD, an embedding's sparse gradient at every step."""
     if not flat:
         monkeypatch.setattr(master_module, "FLAT_GRADS_MAX_NUMEL", 0)
+    if flat is None:  # (a layout too large for flat masters: followed weight by weight)
+        monkeypatch.setattr(master_module, "FLAT_FOLLOW_MAX_NUMEL", 0)
     sparse = optimizer == "sgd-sparse"
 
     def make_optimizer(params):

@@ -262,6 +262,7 @@ def test_the_check_taken_on_a_side_stream_during_backward_gives_the_same_steps_a
 
     def run(min_numel, poison=None):
         monkeypatch.setattr(overlap, "MIN_NUMEL", min_numel)
+        monkeypatch.setattr(overlap, "MIN_NUMEL_PER_GRAD", 0)
         model, plugin = Net(poison), MPPlugin(mode)
         Trainer(accelerator="gpu", devices=1, max_steps=6, plugins=[plugin], logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False).fit(model)

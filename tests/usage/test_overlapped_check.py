@@ -25,6 +25,7 @@ MODES = ("fp32", "bf16", "bf16-true")  # (bf16-true: the half gradients' figures
 @pytest.fixture
 def small_models_overlap(monkeypatch, check_passes):
     monkeypatch.setattr(overlap, "MIN_NUMEL", 0)
+    monkeypatch.setattr(overlap, "MIN_NUMEL_PER_GRAD", 0)
     monkeypatch.setattr(overlap, "DEVICE_TYPES", ("cuda", "cpu"))
     verdicts = []
     original = overlap.OverlappedCheck.verdict
@@ -164,3 +165,17 @@ def test_several_processes_keep_the_check_after_backward(small_models_overlap, m
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     assert overlap.OverlappedCheck().install([torch.optim.SGD(Net().parameters(), lr=0.1)]) is False
+
+
+def test_many_small_gradients_get_no_hooks_even_in_a_large_model(monkeypatch) -> None:
+    """A model above the size for the overlapped check whose gradients are small on average (a LitGPT 12 x 768: 1.1 M
+    elements a gradient) is launch-bound: a hook per gradient would cost host time the GPU cannot hide."""
+    monkeypatch.setattr(overlap, "DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(overlap, "MIN_NUMEL", 1 << 12)  # (the sizes scaled down 2^15: the rule, not the memory)
+    monkeypatch.setattr(overlap, "MIN_NUMEL_PER_GRAD", 1 << 7)
+    many_small = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(80)])  # 5760 elements, 36 a gradient
+    few_large = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    for model, expected in ((many_small, False), (few_large, True)):
+        check = overlap.OverlappedCheck()
+        assert check.install([torch.optim.SGD(model.parameters(), lr=0.1)]) is expected
+        check.remove()
