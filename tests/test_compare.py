@@ -189,6 +189,42 @@ def test_master_weight_mode_errors_and_recommendation(capsys):
     assert "            precision: bf16-true\n            master_weights: kahan\n" in text
 
 
+def test_bf16_states_modes_reach_the_plugin_and_show_their_memory(monkeypatch, tmp_path):
+    """``<mode>:bf16-states`` runs MPPlugin(optimizer_states="bf16"): the table shows each mode with and without."""
+    from lightning_mp.tools.compare import parse_mode, split_mode
+    from lightning_mp.tools.compare_stats import mode_states, safety_rank
+
+    assert parse_mode("bf16:BF16-States") == "bf16:bf16-states"
+    canonical = "fp16-true:kahan+bf16-states"
+    assert parse_mode("16-true:kahan+bf16-states") == parse_mode("fp16-true:bf16-states+kahan") == canonical
+    assert split_mode("bf16-true:kahan+bf16-states") == ("bf16-true", "kahan")
+    assert split_mode("bf16:bf16-states") == ("bf16", None)
+    assert (mode_states("bf16-true:bf16-states"), mode_states("bf16-true:kahan")) == ("bf16", "fp32")
+    assert safety_rank("bf16-true") < safety_rank("bf16-true:bf16-states") < safety_rank("bf16-true:kahan")
+    with pytest.raises(ValueError, match=r"'bf16-states' holds the moments.*master_weights='none'"):
+        parse_mode("bf16-true:none+bf16-states")
+    text = recommendation_text(row("bf16-true:bf16-states", 10.0), "fastest")
+    assert 'MPPlugin("bf16-true", optimizer_states="bf16")' in text and "optimizer_states: bf16\n" in text
+
+    import lightning_mp
+
+    seen = []
+
+    class Recording(lightning_mp.MPPlugin):
+        def __init__(self, precision="bf16", **kwargs):
+            seen.append((precision, kwargs.get("optimizer_states")))
+            super().__init__(precision, **kwargs)
+
+    monkeypatch.setattr(lightning_mp, "MPPlugin", Recording)
+    out = tmp_path / "m.json"
+    assert main(["--model-args", TINY_LM, "--modes", "bf16-true", "bf16-true:bf16-states", "--steps", "3",
+                 "--no-progress", "--no-batch-probe", "--json", str(out)]) == 0
+    assert seen == [("bf16-true", None), ("bf16-true", "bf16")]
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["bf16-true:bf16-states"]["status"] in ("ok", "unstable")
+    assert rows["bf16-true:bf16-states"]["peak_mem_mib"] < rows["bf16-true"]["peak_mem_mib"]
+
+
 def test_the_plot_and_the_table_name_the_same_mode_faster(tmp_path, monkeypatch):
     """The plot's speed panel shows the table's figure (the paired speed-up over the reference, with its interval),
     not the median step times, which can rank two modes the other way round when the rounds are noisy."""

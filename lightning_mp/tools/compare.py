@@ -15,8 +15,9 @@ Examples::
 
 A mode is a precision (``bf16``, ``fp16``, ``bf16-true``, ...; Lightning's strings are accepted as aliases),
 optionally followed by ``:<master weights>`` for the true-half modes (``bf16-true:kahan`` runs
-``MPPlugin("bf16-true", master_weights="kahan")``), or ``lightning:<precision>`` for Lightning's own plugin
-as a baseline (never recommended).
+``MPPlugin("bf16-true", master_weights="kahan")``) and ``bf16-states`` for Adam's moments in bf16
+(``bf16:bf16-states``, ``bf16-true:kahan+bf16-states``: ``optimizer_states="bf16"``, a row beside the mode's own, to
+see the memory it saves), or ``lightning:<precision>`` for Lightning's own plugin as a baseline (never recommended).
 
 How it measures (:mod:`lightning_mp.tools.compare_engine`), how it decides (:mod:`lightning_mp.tools.compare_stats`),
 what it reads from the flags and a config (:mod:`lightning_mp.tools.compare_setup`) and what it prints
@@ -53,6 +54,7 @@ from lightning_mp.tools.compare_setup import (  # noqa: F401 - BUILTIN_DATAMODUL
     set_batch_size,
 )
 from lightning_mp.tools.compare_stats import (
+    BF16_STATES,
     MIN_SPEEDUP,
     Candidate,
     Decision,
@@ -195,7 +197,9 @@ def parse_mode(value: str) -> str:
 
     ``"<precision>"`` (any name or alias :func:`lightning_mp.modes.parse_precision` accepts),
     ``"<true-half precision>:<master weights>"`` (``"bf16-true:kahan"``, ``"16-true:none"``; the options of
-    ``MPPlugin(master_weights=...)``) or ``"lightning:<precision>"`` (passed to Lightning unchecked).
+    ``MPPlugin(master_weights=...)``), either with ``bf16-states`` among its options, joined by ``+``
+    (``"bf16:bf16-states"``, ``"bf16-true:kahan+bf16-states"``: ``optimizer_states="bf16"``), or
+    ``"lightning:<precision>"`` (passed to Lightning unchecked).
 
     Raises:
         ValueError: naming the bad value, the accepted ones and the fix.
@@ -209,6 +213,18 @@ def parse_mode(value: str) -> str:
     precision = parse_precision(base)
     if not sep:
         return precision
+    options = [o.strip().lower() for o in option.split("+") if o.strip()]
+    if BF16_STATES in options:  # Adam's moments in bf16 (any mode whose optimizer steps fp32 values)
+        rest = [o for o in options if o != BF16_STATES]
+        if len(rest) > 1:
+            raise ValueError(f"mode {value!r}: one master-weight option at most beside {BF16_STATES!r}.")
+        master = parse_mode(f"{precision}:{rest[0]}").partition(":")[2] if rest else None
+        if master in ("none", "optimizer"):
+            raise ValueError(
+                f"mode {value!r}: {BF16_STATES!r} holds the moments of an optimizer that steps fp32 values;"
+                f" master_weights={master!r} leaves them to the optimizer. Use '{precision}:{BF16_STATES}'."
+            )
+        return f"{precision}:{master + '+' if master else ''}{BF16_STATES}"
     accepted = ", ".join(repr(k) for k in MASTER_WEIGHT_KINDS)
     true_half = [name for name, mode in MODES.items() if mode.true_half]
     if precision not in true_half:
@@ -376,7 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="modes to run, by spaces or commas (default: every mode; those this hardware cannot run are"
                           " reported as such);"
                           " 'bf16-true:kahan' etc. pick the master weights of a true-half mode (fp32, kahan,"
-                          " stochastic, none); 'lightning:bf16-mixed' etc. add Lightning's own plugins as baselines")
+                          " stochastic, none); ':bf16-states' holds Adam's moments in bf16 ('bf16:bf16-states',"
+                          " 'bf16-true:kahan+bf16-states'); 'lightning:bf16-mixed' etc. add Lightning's own plugins"
+                          " as baselines")
     how.add_argument("--steps", type=int, default=DEFAULT_STEPS, metavar="N",
                      help="optimizer steps per mode, warm-up included (default: %(default)s)")
     how.add_argument("--warmup", type=int, default=None, metavar="N",

@@ -664,6 +664,7 @@ def _fit(p, scheduler, schedule, device_type, seed, initial_state, trainer_kwarg
 
     from lightning_mp import MPPlugin, NonFiniteTrainingError
     from lightning_mp.callbacks import PrecisionMonitor
+    from lightning_mp.tools.compare_stats import mode_states, split_mode
 
     result = p.result
     mode = p.job.mode
@@ -680,10 +681,12 @@ def _fit(p, scheduler, schedule, device_type, seed, initial_state, trainer_kwarg
         if native:
             precision_kwargs: dict[str, Any] = {"precision": mode.split(":", 1)[1]}
         else:
-            precision, _, master = mode.partition(":")
+            precision, master = split_mode(mode)
             kwargs = dict(p.job.plugin_kwargs)
             if master:
                 kwargs["master_weights"] = master
+            if mode_states(mode) != "fp32":
+                kwargs["optimizer_states"] = mode_states(mode)
             plugin = MPPlugin(precision, **kwargs)
             precision_kwargs = {"plugins": [plugin]}
         # (an fp8 mode: its layers' lost shares, on the monitor's steps)

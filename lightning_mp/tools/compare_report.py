@@ -12,7 +12,7 @@ import textwrap
 from typing import Any, Optional, Sequence
 
 from lightning_mp.tools.compare_engine import ModeResult
-from lightning_mp.tools.compare_stats import Decision, Probe, safety_rank, split_mode
+from lightning_mp.tools.compare_stats import Decision, Probe, mode_states, safety_rank, split_mode
 
 WIDTH = 118
 FP16_MAX = 65504.0
@@ -196,7 +196,9 @@ def recommendation_text(best: Optional[ModeResult], reason: str, confidence: Opt
     if best is None:
         return wrap(f"Recommendation: none — {reason}.")
     precision, master = split_mode(best.mode)
+    states = mode_states(best.mode)
     master_arg = "" if master is None else f', master_weights="{master}"'
+    master_arg += "" if states == "fp32" else f', optimizer_states="{states}"'
     head = f"Recommendation: {best.mode}" + (f" (confidence: {confidence})" if confidence else "")
     return (
         f"{head}\n{wrap(reason.rstrip('.') + '.', indent='  ')}\n\n"
@@ -207,6 +209,7 @@ def recommendation_text(best: Optional[ModeResult], reason: str, confidence: Opt
         "          init_args:\n"
         f"            precision: {precision}\n"
         + ("" if master is None else f"            master_weights: {master}\n")
+        + ("" if states == "fp32" else f"            optimizer_states: {states}\n")
     )
 
 

@@ -603,6 +603,8 @@ def plugin_kwargs_for(mode: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     out = dict(kwargs)
     if spec is None or not spec.true_half:
         out.pop("master_weights", None)
+    if (mode.partition(":")[2] or out.get("master_weights")) in ("none", "optimizer", False, "false"):
+        out.pop("optimizer_states", None)  # (the optimizer keeps those moments itself)
     if spec is None or not spec.fp8:
         out.pop("fp8", None)
     return out

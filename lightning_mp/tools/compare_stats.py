@@ -69,21 +69,33 @@ SAFETY_ORDER = ("fp32", "tf32", "bf16", "bf16-true", "fp16", "fp16-true", "fp8")
 MASTER_ORDER = ("fp32", "optimizer", "kahan", "stochastic", "none")
 
 
+#: the mode option that runs ``MPPlugin(optimizer_states="bf16")`` (``"bf16-true:bf16-states"``, ``"bf16:bf16-states"``)
+BF16_STATES = "bf16-states"
+
+
 def split_mode(mode: str) -> tuple[str, Optional[str]]:
     """A canonical MPPlugin mode to ``(precision, master_weights)``: ``"bf16-true:kahan"`` to
-    ``("bf16-true", "kahan")``, ``"bf16"`` to ``("bf16", None)`` (see :func:`lightning_mp.tools.compare.parse_mode`)."""
-    precision, sep, master = mode.partition(":")
-    return precision, (master if sep else None)
+    ``("bf16-true", "kahan")``, ``"bf16"`` and ``"bf16:bf16-states"`` to ``("bf16", None)``,
+    ``"bf16-true:kahan+bf16-states"`` to ``("bf16-true", "kahan")`` (see
+    :func:`lightning_mp.tools.compare.parse_mode`; :func:`mode_states` reads the optimizer-state option)."""
+    precision, _, options = mode.partition(":")
+    master = next((o for o in options.split("+") if o and o != BF16_STATES), None)
+    return precision, master
+
+
+def mode_states(mode: str) -> str:
+    """The ``optimizer_states`` a canonical mode runs with: ``"bf16"`` for ``"...:bf16-states"``, else ``"fp32"``."""
+    return "bf16" if BF16_STATES in mode.partition(":")[2].split("+") else "fp32"
 
 
 def safety_rank(mode: str) -> tuple[int, int]:
-    """Sort key of a canonical mode name (``"bf16-true:kahan"``): lower is numerically safer. Unknown names
-    (``lightning:...`` baselines) sort last."""
-    precision, _, master = mode.partition(":")
+    """Sort key of a canonical mode name (``"bf16-true:kahan"``): lower is numerically safer (bf16 optimizer states
+    just after the same mode's fp32 states). Unknown names (``lightning:...`` baselines) sort last."""
+    precision, master = split_mode(mode)
     p = SAFETY_ORDER.index(precision) if precision in SAFETY_ORDER else len(SAFETY_ORDER)
     master = master or "fp32"
     m = MASTER_ORDER.index(master) if master in MASTER_ORDER else len(MASTER_ORDER)
-    return p, m
+    return p, 2 * m + (mode_states(mode) == "bf16")
 
 
 # --------------------------------------------------------------------------------------------- spreads
