@@ -11,6 +11,8 @@ AdamW step (and keeps no masters). This script times each on the parameter shape
   gradient) against the step guard's read-only check (``lightning_mp.verdict.check_grads_``);
 * ``mp-masters``: ``FP32MasterWeights`` as the plugin runs it: the masters following weights written since the last
   step, carry, check, fused AdamW on the masters, refresh (also each part alone; following also with eager kernels);
+* ``mp-masters-bf16-states``: the same with ``optimizer_states="bf16"`` (AdamW's moments held in bf16: fp32 copies
+  made for the step, rounded back stochastically), and the bytes a parameter held by weights, masters and moments;
 * ``te-fusedadam-masters`` / ``te-fusedadam-remainders``: Transformer Engine's ``FusedAdam(master_weights=True)``
   (one kernel reads bf16 gradients and writes fp32 masters and bf16 weights), with and without
   ``store_param_remainders`` (the masters held as 16 extra bits). Only where TE is installed.
@@ -35,6 +37,8 @@ from torch import nn
 
 from lightning_mp import master as _master
 from lightning_mp.master import FP32MasterWeights
+from lightning_mp import optim_states as _states
+from lightning_mp.optim_states import OptimizerStates
 from lightning_mp.verdict import check_grads_
 
 
@@ -124,12 +128,17 @@ def check_section(shapes, device: torch.device, fused: bool, timer: Timer, args:
     row("  check: step guard", t_guard, 0, f"read-only; {rate(t_guard)}")
 
 
-def masters_section(shapes, device: torch.device, fused: bool, timer: Timer, args: argparse.Namespace, row) -> None:
-    """FP32MasterWeights as the plugin's step runs it: gather, check, fused AdamW on the masters, write back."""
+def masters_section(
+    shapes, device: torch.device, fused: bool, timer: Timer, args: argparse.Namespace, row, states: str = "fp32"
+) -> None:
+    """FP32MasterWeights as the plugin's step runs it: gather, check, fused AdamW on the masters, write back
+    (``states="bf16"``: with ``MPPlugin(optimizer_states="bf16")``'s moments held in bf16 between steps)."""
     params, grads = make_params(shapes, torch.bfloat16, device)
     opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
     masters = FP32MasterWeights()
     masters.attach(opt)
+    if states != "fp32":
+        OptimizerStates(states).hold(opt, host="bench")
     master_list = masters.tensors()
 
     def gather():
@@ -164,7 +173,21 @@ def masters_section(shapes, device: torch.device, fused: bool, timer: Timer, arg
     t_follow_eager = timer(lambda: masters._resync(entries), args.warmup, args.steps)
     _master._COMPILED_FOLLOW["failed"] = compiled
     masters_bytes = sum(m.numel() * m.element_size() for m in master_list)
-    row("mp-masters", t_whole, state_bytes(opt) + masters_bytes, "MPPlugin('bf16-true'): all below")
+    weights_bytes = sum(p.numel() * p.element_size() for p in params)
+    held = (weights_bytes + masters_bytes + state_bytes(opt)) / sum(p.numel() for p in params)
+    if states != "fp32":
+        row(f"mp-masters-{states}-states", t_whole, state_bytes(opt) + masters_bytes,
+            f"optimizer_states={states!r}: {held:.2f} B/param held with the weights")  # fmt: skip
+        row("  fused AdamW, moments in and out", t_step, 0, "fp32 copies, the step, stochastic rounding")
+        compiled = _states._COMPILED_ROUNDING["failed"]
+        _states._COMPILED_ROUNDING["failed"] = "timing the eager kernels"
+        t_eager = timer(step_alone, args.warmup, args.steps)
+        _states._COMPILED_ROUNDING["failed"] = compiled
+        row("  the same, eager rounding", t_eager, 0, "without the compiled kernel"
+            + ("" if compiled is None else f"; not compiled: {compiled!r}"))
+        return
+    row("mp-masters", t_whole, state_bytes(opt) + masters_bytes,
+        f"MPPlugin('bf16-true'): all below; {held:.2f} B/param held with the weights")  # fmt: skip
     row("  follow the weights", t_follow, 0, "masters take weights written since (in gather)"
         + ("" if compiled is None else f"; not compiled: {compiled!r}"))
     row("  follow, eager kernels", t_follow_eager, 0, "the same without the compiled kernel")
@@ -215,6 +238,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     # MPPlugin's fp32 masters, whole and in parts (in a function: its tensors go when it returns)
     masters_section(shapes, device, fused, timer, args, row)
+    cleanup()
+    # the same with bf16 moments (MPPlugin("bf16-true", optimizer_states="bf16"))
+    masters_section(shapes, device, fused, timer, args, row, states="bf16")
     cleanup()
 
     # Transformer Engine's FusedAdam with master weights

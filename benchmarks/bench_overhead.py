@@ -29,6 +29,8 @@ mp-bf16-true-stochastic  ``MPPlugin("bf16-true", master_weights="stochastic")``:
 mp-bf16-true-none        ``MPPlugin("bf16-true", master_weights="none")``: plain bf16 weights and state (guards on)
 mp-bf16-true-noguards    ``MPPlugin("bf16-true", fp32_modules=[])``: fp32 masters, LayerNorms in bf16 (what the
                          guards cost)
+...-bf16states           the same with ``optimizer_states="bf16"``: AdamW's moments held in bf16 between steps
+                         (``mp-bf16-true-bf16states``: fp32 masters and bf16 moments, 10 bytes a parameter held)
 ...-teadam               either of the two above with Transformer Engine's ``FusedAdam(master_weights=True)``
                          instead of torch's fused AdamW: the optimizer keeps the fp32 masters (one kernel reads
                          bf16 gradients, writes fp32 masters and bf16 weights); needs Transformer Engine
@@ -133,6 +135,8 @@ TRUE_HALF_MODES = (
     "mp-bf16-true-guarded",
     "mp-bf16-true-teadam",
     "mp-bf16-true-noguards-teadam",
+    "mp-bf16-true-bf16states",
+    "mp-bf16-true-stochastic-bf16states",
 )
 #: what the monitoring callbacks cost (runnable with --modes): each logs to a CSVLogger, as does its reference
 #: ``mp-bf16+log`` (no callback); the probe's callback runs after theirs, so the cycle holds their work
@@ -225,6 +229,8 @@ def run_lightning(
 
     te_adam = mode.endswith("-teadam")
     mode = mode.removesuffix("-teadam")
+    states = {"optimizer_states": "bf16"} if mode.endswith("-bf16states") else {}
+    mode = mode.removesuffix("-bf16states")
     watch = mode.partition("+")[2] if mode in CALLBACK_MODES else None
     mode = mode.partition("+")[0] if watch else mode
     with_scheduler = mode.endswith("+sched")
@@ -244,11 +250,11 @@ def run_lightning(
         if mode.startswith("mp-bf16-true"):
             variant = mode.removeprefix("mp-bf16-true").removeprefix("-")
             if variant == "noguards":
-                plugin = MPPlugin("bf16-true", fp32_modules=[])
+                plugin = MPPlugin("bf16-true", fp32_modules=[], **states)
             elif variant == "guarded":
-                plugin = MPPlugin("bf16-true", fp32_modules=["defaults"])
-            else:
-                plugin = MPPlugin("bf16-true", master_weights=variant or None)  # unset: fp32, or the optimizer's own
+                plugin = MPPlugin("bf16-true", fp32_modules=["defaults"], **states)
+            else:  # unset: fp32, or the optimizer's own
+                plugin = MPPlugin("bf16-true", master_weights=variant or None, **states)
         elif mode == "mp-bf16-keep-grads":
             plugin = MPPlugin("bf16", release_grads_after_step=False)
         elif mode == "mp-bf16-noskip":
