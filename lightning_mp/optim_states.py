@@ -324,8 +324,10 @@ _COMPILED_ROUNDING: dict[str, Any] = {"fn": None, "failed": None}
 
 
 def _round_bf16(x: Tensor) -> Tensor:
-    # stochastic_round's bf16 branch, written for one fused kernel: 16 random low bits added, then truncated
-    noise = torch.randint_like(x, 0, 1 << 16, dtype=torch.int32)
+    # stochastic_round's bf16 branch, written for one fused kernel: 16 random low bits added, then truncated (the
+    # bits from a uniform float: Triton draws it in one Philox round, where an integer in a range takes a 64-bit
+    # modulo)
+    noise = (torch.rand_like(x) * 65536.0).to(torch.int32)
     return (x.view(torch.int32) + noise).bitwise_and(-65536).view(torch.float32).to(torch.bfloat16)
 
 
