@@ -154,7 +154,7 @@ class CheckOnlyPlan:
         self.steps, self.state, self.scaler, self.flags = steps, state, scaler, steps.flags
         self.check = checks.PlannedCheck.of(state.optimizer)  # (``None``: the general check)
         if fused:
-            self.run = self._run_fused  # type: ignore[method-assign]  # (chosen once: no branch a step)
+            self._step = self._step_fused  # type: ignore[method-assign]  # (chosen once: no branch a step)
 
     @staticmethod
     def fits(steps: Steps, scaler: Optional[StepGuard], automatic: bool) -> bool:
@@ -172,11 +172,9 @@ class CheckOnlyPlan:
             and automatic
         )
 
-    def _found(self, optimizer: Optimizer, hooks_and_clipping: Callable[[], None]) -> dict[Any, Tensor]:
-        """Stages 4–6: the hooks and clipping, then the planned check unless clipping's norm gave the verdict."""
+    def _found(self, optimizer: Optimizer) -> dict[Any, Tensor]:
+        """Stage 6, after the hooks and clipping: the planned check, unless clipping's norm gave the verdict."""
         state, scaler = self.state, self.scaler
-        state.stage, state.dirty = Stage.PREPARED, True
-        hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
         if scaler.verdicts.stage(optimizer) is OptState.READY:
             flag = self.flags.take(scaler.scale_device)  # (zeroed 64 at a time: no allocation a step)
             check = self.check
@@ -195,35 +193,30 @@ class CheckOnlyPlan:
         closure()
         state = self.state
         try:
-            found = self._found(optimizer, hooks_and_clipping)
-            # torch's GradScaler pays this one host sync too; its answer decides the step, counted as known
-            skipped = any(flag.item() for flag in found.values())
-            out = None if skipped else optimizer.step(**kwargs)
+            state.stage, state.dirty = Stage.PREPARED, True
+            hooks_and_clipping()  # clipping by norm may give the verdict (record_norm); by value checks first
+            out, outcome = self._step(optimizer, kwargs)
             state.stage = Stage.STEPPED
         finally:
             if state.stage is Stage.PREPARED:
                 self.steps.abandon(state)  # an error inside the step
+        return out, outcome
+
+    def _step(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> tuple[Any, Outcome]:
+        # torch's GradScaler pays this one host sync too; its answer decides the step, counted as known
+        skipped = any(flag.item() for flag in self._found(optimizer).values())
+        out = None if skipped else optimizer.step(**kwargs)
         return out, Outcome(skipped, None, skipped)
 
-    def _run_fused(
-        self, optimizer: Optimizer, closure: Callable[[], Any], hooks_and_clipping: Callable[[], None],
-        kwargs: dict[str, Any],
-    ) -> tuple[Any, Outcome]:
-        closure()
-        state = self.state
+    def _step_fused(self, optimizer: Optimizer, kwargs: dict[str, Any]) -> tuple[Any, Outcome]:
+        flags = list(self._found(optimizer).values())
+        # the kernel skips on found_inf == 1: no host sync
+        verdict = checks.one_flag(flags, flags[0].device if flags else self.scaler.scale_device)
+        optimizer.found_inf = verdict  # type: ignore[attr-defined]
         try:
-            flags = list(self._found(optimizer, hooks_and_clipping).values())
-            # the kernel skips on found_inf == 1: no host sync
-            verdict = checks.one_flag(flags, flags[0].device if flags else self.scaler.scale_device)
-            optimizer.found_inf = verdict  # type: ignore[attr-defined]
-            try:
-                out = optimizer.step(**kwargs)
-            finally:
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            state.stage = Stage.STEPPED
+            out = optimizer.step(**kwargs)
         finally:
-            if state.stage is Stage.PREPARED:
-                self.steps.abandon(state)  # an error inside the step
+            del optimizer.found_inf  # type: ignore[attr-defined]
         # (the scale moves on the flag itself: a 0-dim fp32 flag is its own ``one_flag``)
         return out, Outcome(None, verdict, verdict)
 

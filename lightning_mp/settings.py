@@ -62,6 +62,7 @@ DEFAULTS: Mapping[str, Any] = MappingProxyType({
     "max_consecutive_skips": 100,
     "hold_schedulers_on_skip": True,
     "release_grads_after_step": True,
+    "capture_step": True,  # the check-only steps replayed from a CUDA graph (lightning_mp.capture)
     "spike_window": 128,  # OLMo-core's
     # the dtype Adam's moments are held in between steps (lightning_mp.optim_states)
     "optimizer_states": "fp32",
@@ -343,12 +344,13 @@ class SkipSettings(_Settings):
     max_consecutive_skips: Optional[int] = DEFAULTS["max_consecutive_skips"]
     hold_schedulers_on_skip: bool = DEFAULTS["hold_schedulers_on_skip"]
     release_grads_after_step: bool = DEFAULTS["release_grads_after_step"]
+    capture_step: bool = DEFAULTS["capture_step"]
     spike_sigma: Optional[float] = None
     spike_window: int = DEFAULTS["spike_window"]
     host: str = _host_field()
 
     def __post_init__(self) -> None:
-        for name in ("skip_nonfinite", "hold_schedulers_on_skip", "release_grads_after_step"):
+        for name in ("skip_nonfinite", "hold_schedulers_on_skip", "release_grads_after_step", "capture_step"):
             check_flag(name, getattr(self, name))
         limit = self.max_consecutive_skips
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):

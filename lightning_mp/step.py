@@ -17,6 +17,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_mp.buffers import BufferSnapshot
+from lightning_mp.capture import CapturedPlan
 from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.host import Host, host_of
 from lightning_mp.master import MasterWeights
@@ -46,6 +47,7 @@ class OptimizerSteps:
         stats: where the outcome of each step is published (read by callbacks).
         max_consecutive_skips: stop after this many skipped steps in a row of one optimizer (``None``: never).
         saturation: a callable returning a device flag (> 0: an FP8 cast saturated an inf) or ``None``.
+        capture: capture the check-only plans' steps where they can be (:mod:`lightning_mp.capture`).
     """
 
     def __init__(
@@ -58,12 +60,13 @@ class OptimizerSteps:
         saturation: Optional[Callable[[], Optional[Tensor]]] = None,
         spike: Optional[SpikeGuard] = None,
         release_grads: bool = False,
+        capture: bool = True,
     ) -> None:
         self._scaler, self.masters, self.stats = scaler, masters, stats
         self.max_consecutive_skips, self.saturation, self.spike = max_consecutive_skips, saturation, spike
         self.loss: Optional[Tensor] = None  # what backward ran on since the last step (the spike guard's figure)
         self.last_loss: Optional[Tensor] = None  # manual optimization: the loss of this batch's last judged step
-        self.release_grads = release_grads
+        self.release_grads, self.capture = release_grads, capture  # capture: the check-only steps (capture.py)
         self.buffers = BufferSnapshot()
         self._optimizers: dict[int, OptimizerState] = {}
         self._batch_verdicts: list[Tensor | bool] = []  # this batch's verdicts, for the one scale update
@@ -246,7 +249,7 @@ class OptimizerSteps:
         elif CheckOnlyPlan.fits(self, scaler, self.host.whole_steps):
             scaler = cast(StepGuard, scaler)  # (fits: there is one)
             fused = checks.takes_device_verdict(optimizer, scaling=False, device=scaler.scale_device)
-            plan = CheckOnlyPlan(self, state, scaler, fused)
+            plan = (CapturedPlan.make if self.capture else CheckOnlyPlan)(self, state, scaler, fused)
         else:
             plan = GeneralPlan(self, state, manual=not self.host.whole_steps)
         state.plan = plan

@@ -59,6 +59,7 @@ class PrecisionRun:
         hold_schedulers_on_skip: bool = True,
         tf32: Optional[bool] = None,
         release_grads_after_step: bool = True,
+        capture_step: bool = True,
         fp32_modules: Optional[list[str]] = None,
         master_weights: Optional[Union[str, bool]] = None,
         optimizer_states: str = "fp32",
@@ -186,6 +187,10 @@ class PrecisionRun:
         return self._settings.skips.release_grads_after_step
 
     @property
+    def capture_step(self) -> bool:
+        return self._settings.skips.capture_step
+
+    @property
     def spike_sigma(self) -> Optional[float]:
         return self._settings.skips.spike_sigma
 
@@ -230,6 +235,7 @@ class PrecisionRun:
         steps = OptimizerSteps(
             run.scaler, masters, self.stats, max_consecutive_skips=self.max_consecutive_skips,
             saturation=fp8.sentinel.take if fp8 is not None else None, spike=self._spike, release_grads=release_grads,
+            capture=self.capture_step,
         )  # fmt: skip
         steps.connect(host, optimizers)
         self._steps = steps
