@@ -19,6 +19,9 @@ from typing import Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+import lightning_mp.cpu as _cpu
+from lightning_mp.cpu import FAST_BF16_ON_CPU, SLOW_BF16_ON_CPU, SLOW_FP16_ON_CPU, CpuCapability
+
 
 @dataclass(frozen=True)
 class PrecisionMode:
@@ -177,6 +180,24 @@ def uses_fp8_settings(name: str) -> bool:
     return name == AUTO or (name in MODES and MODES[name].fp8)
 
 
+# ---------------------------------------------------------------------------------------------- the CPU
+def slow_on_cpu(mode: PrecisionMode, cpu: Optional[CpuCapability] = None) -> Optional[str]:
+    """Why ``mode`` trains far slower than fp32 on a CPU (this machine's unless ``cpu`` is given), in the measured
+    words of ``SLOW_BF16_ON_CPU`` / ``SLOW_FP16_ON_CPU`` (:mod:`lightning_mp.cpu`); ``None`` when it does not
+    (fp32, or the CPU has the 16-bit kernels the mode needs).
+
+    >>> slow_on_cpu(MODES["bf16"], CpuCapability("AVX2", bf16=False)) == SLOW_BF16_ON_CPU
+    True
+    """
+    cpu = cpu if cpu is not None else _cpu.cpu_capability()
+    dtypes = mode.low_precision_dtypes
+    if torch.float16 in dtypes and not cpu.fp16:
+        return SLOW_FP16_ON_CPU
+    if torch.bfloat16 in dtypes and not cpu.bf16:
+        return SLOW_BF16_ON_CPU
+    return None
+
+
 def bf16_supported(device_type: str) -> bool:
     """Whether bf16 autocast runs natively on this kind of device (CPU autocast always supports it)."""
     if device_type == "cuda":
@@ -184,8 +205,13 @@ def bf16_supported(device_type: str) -> bool:
     return device_type == "cpu"
 
 
-def auto_choice(device_type: str) -> tuple[str, str]:
-    """What ``"auto"`` runs on this kind of device, and why."""
+def auto_choice(device_type: str, cpu: Optional[CpuCapability] = None) -> tuple[str, str]:
+    """What ``"auto"`` runs on this kind of device, and why (the log line's words). On a CPU: bf16 where it has
+    native bf16, else fp32 (:func:`lightning_mp.cpu.cpu_capability`, or ``cpu`` where given).
+
+    >>> auto_choice("cpu", CpuCapability("AVX2", bf16=False))[0]
+    'fp32'
+    """
     if device_type == "cuda":
         if bf16_supported("cuda"):
             major, minor = torch.cuda.get_device_capability()
@@ -194,7 +220,10 @@ def auto_choice(device_type: str) -> tuple[str, str]:
             )
         return "fp16", "the GPU does not support bf16, so fp16 with dynamic loss scaling"
     if device_type == "cpu":
-        return "bf16", "bf16 autocast is the fastest safe mode on the CPU"
+        cpu = cpu if cpu is not None else _cpu.cpu_capability()
+        if cpu.bf16:
+            return "bf16", f"the CPU ({cpu.describe()}) has native bf16: {FAST_BF16_ON_CPU}"
+        return "fp32", f"the CPU ({cpu.describe()}) has no native bf16: {SLOW_BF16_ON_CPU}"
     return "fp32", f"no mixed-precision mode is known to work on device type {device_type!r}"
 
 
@@ -204,23 +233,33 @@ class PerformanceWarning(Warning):
     ``warnings.filterwarnings("ignore", category=PerformanceWarning)``)."""
 
 
-def warn_if_slow_on_device(mode: PrecisionMode, device_type: str) -> Optional[str]:
+def warn_if_slow_on_device(
+    mode: PrecisionMode, device_type: str, cpu: Optional[CpuCapability] = None
+) -> Optional[str]:
     """Warn (a :class:`PerformanceWarning`, rank zero, through Lightning's ``rank_zero_warn``) when ``mode`` runs far
     slower on ``device_type`` than a mode the device offers, and return the message; ``None`` when it does not.
 
-    fp16 on a CPU: its autocast and half weights have no fast kernels there (2.7-12x slower than bf16 in our runs),
-    and Lightning's own ``precision="16-mixed"`` warns on a CPU too.
+    On a CPU (this machine's :func:`lightning_mp.cpu.cpu_capability`, or ``cpu`` where given): fp16 without native
+    fp16 kernels, and bf16 without native bf16 kernels, with the measured penalty (``SLOW_FP16_ON_CPU``,
+    ``SLOW_BF16_ON_CPU`` of :mod:`lightning_mp.cpu`) and the mode to use instead, the one ``auto`` picks there.
+    Lightning's own ``precision="16-mixed"`` warns on a CPU too. Called once, at set-up.
 
-    >>> warn_if_slow_on_device(MODES["bf16"], "cpu") is None
+    >>> warn_if_slow_on_device(MODES["bf16"], "cpu", CpuCapability("AVX512", bf16=True)) is None
     True
     """
-    if device_type != "cpu" or torch.float16 not in mode.low_precision_dtypes:
+    if device_type != "cpu":
         return None
-    instead = "'bf16-true'" if mode.true_half else "'bf16'"
+    cpu = cpu if cpu is not None else _cpu.cpu_capability()
+    penalty = slow_on_cpu(mode, cpu)
+    if penalty is None:
+        return None
+    best = _cpu.cpu_mode(cpu)
+    instead = f"{best}-true" if mode.true_half and best != "fp32" else best
+    native = "fp16" if penalty is SLOW_FP16_ON_CPU else "bf16"
+    why = "it needs no loss scaling either" if mode.needs_scaler and best != "fp32" else "MPPlugin('auto') picks it"
     message = (
-        f"MPPlugin(precision={mode.name!r}) runs on the CPU, where fp16 has no fast kernels: it trains several times"
-        f" slower than bf16 (2.7-12x in our measurements). Use precision={instead} on the CPU (it needs no loss"
-        " scaling either)."
+        f"MPPlugin(precision={mode.name!r}) runs on a CPU without native {native} ({cpu.describe()}): {penalty}."
+        f" Use precision={instead!r} on this CPU ({why})."
     )
     rank_zero_warn(message, category=PerformanceWarning)
     return message

@@ -79,12 +79,13 @@ def summary(plugin: Any) -> str:
     """One line on what the plugin runs: mode, weights, loss scaling, inf/NaN skipping, FP32 guards, device.
 
     Example: ``bf16 mixed precision (autocast bf16, fp32 weights, inf/NaN steps skipped, stop after 100 in a row,
-    FP32 guards: defaults) on cpu``.
+    FP32 guards: defaults) on cpu``. With ``auto``, why it chose the mode follows: ``... on cpu, because the CPU
+    (AVX2, no AVX512-BF16 or AMX) has no native bf16: ...``.
     """
-    from lightning_mp.modes import AUTO, running_mode
+    from lightning_mp.modes import AUTO, auto_choice, running_mode
 
     mode = running_mode(plugin)
-    assert mode is not None, "summary() describes an MPPlugin"  # (its mode, or auto's choice for its device)
+    assert mode is not None, "summary() describes a lightning_mp plugin"  # (its mode, or auto's choice for its device)
     parts: list[str] = ["chosen by 'auto'"] if plugin.requested_precision == AUTO else []
     parts += _weights_clauses(plugin, mode)
     parts += _tf32_clauses(plugin, mode)
@@ -93,7 +94,11 @@ def summary(plugin: Any) -> str:
     parts.append(_guards_clause(plugin))
     parts += _distributed_clauses(plugin)
     kind = "mixed precision" if mode.autocast_only else "precision"
-    return f"{mode.name} {kind} ({', '.join(parts)}) on {plugin.device}"
+    text = f"{mode.name} {kind} ({', '.join(parts)}) on {plugin.device}"
+    if plugin.requested_precision == AUTO:
+        name, why = auto_choice(str(plugin.device))
+        text += f", because {why}" if name == mode.name else ""  # (a mode switched to since is no choice of auto's)
+    return text
 
 
 def _fp8_weights(plugin: Any) -> str:
@@ -200,5 +205,5 @@ def plugin_compute_dtype(plugin: Any) -> torch.dtype:
     from lightning_mp.modes import compute_dtype, running_mode
 
     mode = running_mode(plugin)
-    assert mode is not None, "compute_dtype() describes an MPPlugin"
+    assert mode is not None, "compute_dtype() describes a lightning_mp plugin"
     return compute_dtype(mode)

@@ -147,7 +147,7 @@ class RunPrecision:
             resolve_mode(mode.name, self.device)  # a mode the device cannot run fails before the first step
             if self.scaler is not None and self.scaler.device_type != self.device:
                 self.set_mode(mode)  # rebuilt for the real device, state kept
-        warn_if_slow_on_device(self.active, self.device)  # fp16 on a CPU: one warning at set-up, naming bf16
+        warn_if_slow_on_device(self.active, self.device)  # slow on this CPU: one warning at set-up, naming its mode
         if self.scaler is not None:
             self.scaler.ensure_initialized(device)
         self.apply_tf32()

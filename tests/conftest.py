@@ -14,9 +14,12 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_mp import cpu
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    # fp16 on the CPU warns at every set-up that bf16 is faster there; the CPU tests run fp16 on purpose
+    # fp16 on the CPU (bf16 too, without native bf16) warns at set-up that another mode is faster there; the CPU
+    # tests run them on purpose
     config.addinivalue_line("filterwarnings", "ignore::lightning_mp.modes.PerformanceWarning")
 
 
@@ -231,6 +234,18 @@ def check_passes(monkeypatch) -> list:
 def _seed():
     seed_everything(0, workers=True)
     yield
+
+
+#: this machine's CPU as lightning_mp reads it (tests/test_cpu_capability.py checks the reader itself)
+REAL_CPU_CAPABILITY = cpu.cpu_capability
+#: the CPU every other test sees: one with native bf16, so that what 'auto' picks on the CPU and which modes warn
+#: there do not depend on the machine that runs the suite; a test of another CPU passes its own CpuCapability
+NATIVE_BF16_CPU = cpu.CpuCapability("AVX512", bf16=True, how="AVX512-BF16")
+
+
+@pytest.fixture(autouse=True)
+def _cpu_with_native_bf16(monkeypatch):
+    monkeypatch.setattr(cpu, "cpu_capability", lambda: NATIVE_BF16_CPU)
 
 
 class ForkLauncher(_MultiProcessingLauncher):

@@ -25,7 +25,7 @@ import lightning_mp
 from lightning_mp import MPPlugin, ThroughputMonitor
 from lightning_mp.__main__ import COMMANDS, main
 from lightning_mp.callbacks.monitor import _available_flops
-from lightning_mp.modes import running_mode
+from lightning_mp.modes import FAST_BF16_ON_CPU, running_mode
 from lightning_mp.options import announce, describe, plugin_compute_dtype, summary
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -219,9 +219,10 @@ def test_describe_shows_the_mode_auto_chose():
             " steps skipped, stop after 100 in a row, FP32 guards: defaults) on cpu",
         ),
         (
-            lambda: MPPlugin("auto"),
+            lambda: MPPlugin("auto"),  # (conftest: a CPU with native bf16)
             "bf16 mixed precision (chosen by 'auto', autocast bf16, fp32 weights, inf/NaN steps skipped,"
-            " stop after 100 in a row, FP32 guards: defaults) on cpu",
+            " stop after 100 in a row, FP32 guards: defaults) on cpu, because the CPU (AVX512, AVX512-BF16) has"
+            f" native bf16: {FAST_BF16_ON_CPU}",
         ),
     ],
 )

@@ -3,15 +3,21 @@ import warnings
 
 import pytest
 import torch
-from conftest import TinyRegressor, make_trainer
+from conftest import NATIVE_BF16_CPU, TinyRegressor, make_trainer
 
-from lightning_mp import MPPlugin, parse_precision, resolve_mode
+from lightning_mp import MPPlugin, cpu, parse_precision, resolve_mode
 from lightning_mp.modes import (
     ALIASES,
+    FAST_BF16_ON_CPU,
     MODES,
+    SLOW_BF16_ON_CPU,
+    SLOW_FP16_ON_CPU,
+    CpuCapability,
     PerformanceWarning,
     accepted_names,
+    auto_choice,
     compute_dtype,
+    slow_on_cpu,
     warn_if_slow_on_device,
 )
 
@@ -107,20 +113,67 @@ def test_mode_table():
     assert set(ALIASES.values()) <= set(accepted_names())
 
 
-def test_auto_on_cpu_is_bf16_and_says_so_in_one_line(caplog):
-    assert resolve_mode("auto", "cpu").name == "bf16"
+#: a CPU of the common kind: AVX2, bf16 only in software (laptops, many cloud instances)
+SLOW_BF16_CPU = CpuCapability("AVX2", bf16=False, how="no AVX512-BF16 or AMX")
+
+
+def test_auto_on_a_cpu_with_native_bf16_is_bf16_and_says_why_in_one_line(caplog):
+    assert resolve_mode("auto", "cpu").name == "bf16"  # (conftest: the suite's CPU has native bf16)
     with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
         make_trainer(MPPlugin("auto"), max_steps=1).fit(TinyRegressor())
     lines = [r.getMessage() for r in caplog.records if "'auto'" in r.getMessage()]
     assert len(lines) == 1, lines  # one choice, one line: the set-up line names the mode and who chose it
     assert lines[0].startswith("lightning_mp: using bf16 mixed precision (chosen by 'auto', autocast bf16,")
-    assert lines[0].endswith(" on cpu")
+    assert lines[0].endswith(f" on cpu, because the CPU (AVX512, AVX512-BF16) has native bf16: {FAST_BF16_ON_CPU}")
+
+
+def test_auto_on_a_cpu_without_native_bf16_is_fp32_and_says_why(monkeypatch, caplog):
+    monkeypatch.setattr(cpu, "cpu_capability", lambda: SLOW_BF16_CPU)
+    assert auto_choice("cpu")[0] == "fp32" and resolve_mode("auto", "cpu").name == "fp32"
+    plugin = MPPlugin("auto")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with caplog.at_level(logging.INFO, logger="lightning.pytorch"):
+            trainer = make_trainer(plugin, max_steps=2)
+            trainer.fit(TinyRegressor())
+    assert not [w for w in caught if issubclass(w.category, PerformanceWarning)]  # auto's own choice: no warning
+    assert plugin.mode.name == "fp32" and trainer.precision == "32-true" and trainer.global_step == 2
+    lines = [r.getMessage() for r in caplog.records if "'auto'" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("lightning_mp: using fp32 precision (chosen by 'auto', fp32 weights and compute,")
+    assert lines[0].endswith(
+        f" on cpu, because the CPU (AVX2, no AVX512-BF16 or AMX) has no native bf16: {SLOW_BF16_ON_CPU}"
+    )
+
+
+def test_the_cpu_decision_is_a_function_of_the_capability():
+    native = CpuCapability("AVX512", bf16=True, how="AMX")
+    assert [auto_choice("cpu", c)[0] for c in (native, SLOW_BF16_CPU)] == ["bf16", "fp32"]
+    assert [cpu.cpu_mode(c) for c in (native, SLOW_BF16_CPU)] == ["bf16", "fp32"]
+    assert slow_on_cpu(MODES["bf16"], native) is None and slow_on_cpu(MODES["bf16-true"], native) is None
+    assert slow_on_cpu(MODES["bf16"], SLOW_BF16_CPU) == slow_on_cpu(MODES["bf16-true"], SLOW_BF16_CPU)
+    assert slow_on_cpu(MODES["bf16"], SLOW_BF16_CPU) == SLOW_BF16_ON_CPU
+    assert slow_on_cpu(MODES["fp16"], native) == SLOW_FP16_ON_CPU  # no AVX512-FP16 or AMX-FP16
+    assert slow_on_cpu(MODES["fp16"], CpuCapability("AVX512", bf16=True, fp16=True)) is None
+    assert all(slow_on_cpu(MODES[m], c) is None for m in ("fp32", "tf32") for c in (native, SLOW_BF16_CPU))
 
 
 @pytest.mark.parametrize(
-    ("mode", "instead"), [("fp16", "'bf16'"), ("fp16-true", "'bf16-true'"), ("16-mixed", "'bf16'")]
+    ("mode", "kind", "instead", "penalty"),
+    [
+        ("fp16", NATIVE_BF16_CPU, "'bf16'", SLOW_FP16_ON_CPU),
+        ("fp16-true", NATIVE_BF16_CPU, "'bf16-true'", SLOW_FP16_ON_CPU),
+        ("16-mixed", NATIVE_BF16_CPU, "'bf16'", SLOW_FP16_ON_CPU),
+        ("fp16", SLOW_BF16_CPU, "'fp32'", SLOW_FP16_ON_CPU),
+        ("fp16-true", SLOW_BF16_CPU, "'fp32'", SLOW_FP16_ON_CPU),
+        ("bf16", SLOW_BF16_CPU, "'fp32'", SLOW_BF16_ON_CPU),
+        ("bf16-true", SLOW_BF16_CPU, "'fp32'", SLOW_BF16_ON_CPU),
+    ],
+    ids=lambda v: v.isa if isinstance(v, CpuCapability) else None,
 )
-def test_fp16_on_the_cpu_warns_once_at_set_up_naming_bf16(mode, instead):
+def test_a_slow_mode_on_the_cpu_warns_once_at_set_up_with_the_measured_penalty(monkeypatch, mode, kind, instead,
+                                                                               penalty):
+    monkeypatch.setattr(cpu, "cpu_capability", lambda: kind)
     model = TinyRegressor()
     trainer = make_trainer(MPPlugin(mode), max_steps=3)
     with pytest.warns(PerformanceWarning) as record:
@@ -128,13 +181,15 @@ def test_fp16_on_the_cpu_warns_once_at_set_up_naming_bf16(mode, instead):
     ours = [str(w.message) for w in record if issubclass(w.category, PerformanceWarning)]
     assert len(ours) == 1, ours  # at set-up, not per step
     name = parse_precision(mode)
-    assert ours[0].startswith(f"MPPlugin(precision={name!r}) runs on the CPU, where fp16 has no fast kernels")
-    assert f"Use precision={instead} on the CPU" in ours[0]
+    native = "fp16" if penalty is SLOW_FP16_ON_CPU else "bf16"
+    head = f"MPPlugin(precision={name!r}) runs on a CPU without native {native} ({kind.describe()}):"
+    assert ours[0].startswith(head)
+    assert f": {penalty}. Use precision={instead} on this CPU (" in ours[0]  # one wording of the penalty
     assert trainer.global_step == 3 and trainer.precision_plugin.stats.steps == 3  # a warning: training goes on
 
 
 @pytest.mark.parametrize("mode", ["bf16", "bf16-true", "fp32", "auto"])
-def test_modes_that_suit_the_cpu_do_not_warn(mode):
+def test_modes_that_suit_a_cpu_with_native_bf16_do_not_warn(mode):
     trainer = make_trainer(MPPlugin(mode), max_steps=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -142,6 +197,15 @@ def test_modes_that_suit_the_cpu_do_not_warn(mode):
     assert not [w for w in caught if issubclass(w.category, PerformanceWarning)]
     assert trainer.global_step == 2
     assert warn_if_slow_on_device(MODES["fp16"], "cuda") is None  # fp16 is fast on GPUs
+    assert warn_if_slow_on_device(MODES["fp32"], "cpu", SLOW_BF16_CPU) is None
+
+
+def test_fp8_on_the_cpu_names_the_cpus_mode(monkeypatch):
+    from lightning_mp.fp8.support import fp8_device_problem
+
+    assert fp8_device_problem("cpu").endswith("but the run is on the CPU. Use precision='bf16' instead.")
+    monkeypatch.setattr(cpu, "cpu_capability", lambda: SLOW_BF16_CPU)
+    assert fp8_device_problem("cpu").endswith("but the run is on the CPU. Use precision='fp32' instead.")
 
 
 @pytest.mark.parametrize(

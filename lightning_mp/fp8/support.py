@@ -5,7 +5,7 @@ Example::
 
     from lightning_mp.fp8.support import check_fp8_support, fp8_support_problem
 
-    fp8_support_problem(device_type="cpu")   # "precision='fp8' needs an NVIDIA GPU ... Use precision='bf16' instead."
+    fp8_support_problem(device_type="cpu")   # "precision='fp8' needs an NVIDIA GPU ... Use precision='fp32' instead."
     check_fp8_support("cuda", "current")      # passes on an H100 with Transformer Engine installed
 
 Transformer Engine is imported only when FP8 actually runs; this module imports without it. The layer swap
@@ -85,13 +85,17 @@ def device_problem(
     who: str = "precision='fp8'",
 ) -> Optional[str]:
     """Why this device cannot run FP8 GEMMs at all (not an NVIDIA GPU, or compute capability below 8.9), whatever
-    the backend (``who``: how the message names what was asked for), or ``None``."""
+    the backend (``who``: how the message names what was asked for), or ``None``. On a CPU the mode it names instead
+    is the one ``auto`` runs there: bf16 on a CPU with native bf16, else fp32 (:func:`lightning_mp.cpu.cpu_mode`)."""
     if device_type != "cuda":
+        from lightning_mp.cpu import cpu_mode
+
         where = "the CPU" if device_type == "cpu" else f"device type {device_type!r}"
+        instead = cpu_mode() if device_type == "cpu" else "fp32"  # the CPU's: bf16 where it has native bf16
         return (
             f"{who} needs an NVIDIA GPU with FP8 tensor cores (compute capability 8.9 or newer: Ada,"
             f" Hopper or Blackwell, e.g. L40S, H100, H200, B200), but the run is on {where}."
-            " Use precision='bf16' instead."
+            f" Use precision={instead!r} instead."
         )
     name = device_name or "this GPU"
     if capability is not None and tuple(capability) < FP8_MIN_CAPABILITY:
@@ -222,7 +226,7 @@ def fp8_device_problem(device_type: str, *, library: bool = True) -> Optional[st
 
     Example::
 
-        fp8_device_problem("cpu")   # "precision='fp8' needs an NVIDIA GPU ... Use precision='bf16' instead."
+        fp8_device_problem("cpu")   # "precision='fp8' needs an NVIDIA GPU ... Use precision='fp32' instead."
     """
     facts: dict[str, Any] = {"device_type": device_type}
     if device_type == "cuda" and torch.cuda.is_available():
@@ -238,7 +242,7 @@ def check_fp8_support(device: Union[str, torch.device], recipe: str = "delayed")
     Example::
 
         check_fp8_support("cuda", "current")      # passes on an H100 with Transformer Engine installed
-        check_fp8_support("cpu")                   # FP8UnavailableError: ... Use precision='bf16' instead.
+        check_fp8_support("cpu")                   # FP8UnavailableError: ... Use precision='fp32' instead.
     """
     problem = fp8_support_problem(**fp8_support_facts(device, recipe))
     if problem:

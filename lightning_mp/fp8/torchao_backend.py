@@ -657,7 +657,7 @@ class TorchAOFloat8:
 
         Example::
 
-            TorchAOFloat8({"backend": "torchao"}).check("cpu")   # FP8UnavailableError: ... Use precision='bf16'
+            TorchAOFloat8({"backend": "torchao"}).check("cpu")   # FP8UnavailableError: ... Use precision='fp32'
         """
         problem = torchao_support_problem(**torchao_support_facts(device, str(self.config.recipe)))
         if problem:
