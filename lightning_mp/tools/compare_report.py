@@ -8,19 +8,33 @@ the note, below the table, is wrapped at word boundaries, never cut.
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import sys
 import textwrap
 from typing import Any, Optional, Sequence
 
 from lightning_mp.tools.compare_engine import ModeResult
 from lightning_mp.tools.compare_stats import Decision, Probe, mode_states, safety_rank, split_mode
 
+#: the widest the report's texts are wrapped at (as the docs show it); a narrower terminal wraps them at its width
 WIDTH = 118
 FP16_MAX = 65504.0
 
 
+def terminal_width() -> Optional[int]:
+    """The width of the terminal the report goes to, less one column (at least 40; ``COLUMNS`` where set), or
+    ``None`` when it goes to a file or a pipe."""
+    if not os.environ.get("COLUMNS", "").strip().isdigit() and not sys.stdout.isatty():
+        return None
+    return max(40, shutil.get_terminal_size((WIDTH + 1, 24)).columns - 1)
+
+
 def wrap(text: str, indent: str = "", first: Optional[str] = None) -> str:
-    """``text`` wrapped at word boundaries (never inside a word, never cut)."""
-    return textwrap.fill(text, width=WIDTH, initial_indent=indent if first is None else first,
+    """``text`` wrapped at word boundaries (never inside a word, never cut), at :data:`WIDTH` or a narrower
+    terminal's width."""
+    width = min(WIDTH, terminal_width() or WIDTH)
+    return textwrap.fill(text, width=width, initial_indent=indent if first is None else first,
                          subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
 
 
@@ -104,10 +118,12 @@ def _stability_cell(r: ModeResult, is_reference: bool, note: Optional[int]) -> s
 
 
 def format_table(results: Sequence[ModeResult], reference: Optional[str] = None,
-                 pick: Optional[str] = None) -> tuple[str, list[str]]:
-    """The markdown table and its numbered notes (full texts, to print wrapped under it)."""
+                 pick: Optional[str] = None, width: Optional[int] = None) -> tuple[str, list[str]]:
+    """The markdown table and its numbered notes (full texts, to print wrapped under it). ``width``: a terminal's
+    width; where the table is wider, each mode is a block of its own instead (its name, then one wrapped line per
+    column), so that no row wraps across the terminal's edge."""
     notes: list[str] = []
-    lines = ["| format | memory | speed | stability |", "|---|---|---|---|"]
+    rows: list[tuple[str, str, str, str]] = []
     for r in results:
         note = None
         if r.reason:
@@ -115,8 +131,18 @@ def format_table(results: Sequence[ModeResult], reference: Optional[str] = None,
             note = len(notes)
         name = r.mode + (" (recommended)" if r.mode == pick else "")
         is_ref = r.mode == reference
-        lines.append(f"| {name} | {_memory_cell(r)} | {_speed_cell(r, is_ref)} | {_stability_cell(r, is_ref, note)} |")
-    return "\n".join(lines), notes
+        rows.append((name, _memory_cell(r), _speed_cell(r, is_ref), _stability_cell(r, is_ref, note)))
+    lines = ["| format | memory | speed | stability |", "|---|---|---|---|"]
+    lines += [f"| {' | '.join(row)} |" for row in rows]
+    if width is None or max(len(line) for line in lines) <= width:
+        return "\n".join(lines), notes
+    blocks = []
+    for name, *cells in rows:
+        block = [name] + [textwrap.fill(cell, width=width, initial_indent=f"  {column:<10} ",
+                                        subsequent_indent=" " * 13, break_long_words=False, break_on_hyphens=False)
+                          for column, cell in zip(("memory", "speed", "stability"), cells)]
+        blocks.append("\n".join(block))
+    return "\n\n".join(blocks), notes
 
 
 def format_notes(notes: Sequence[str]) -> str:
@@ -355,9 +381,10 @@ def write_plot(results: Sequence[ModeResult], path: str) -> None:
         reference = next((r.mode for r in ran if r.speedup is None), names[0])
         axes[0].set_title(f"speed-up over {reference} (95% interval; higher is faster)")
     else:
-        axes[0].bar(names, [r.step_ms for r in ran], yerr=[(r.step_iqr_ms or 0) / 2 for r in ran],
+        iqr = any(r.step_iqr_ms is not None for r in ran)  # (a JSON from before compare kept it has none)
+        axes[0].bar(names, [r.step_ms for r in ran], yerr=[(r.step_iqr_ms or 0) / 2 for r in ran] if iqr else None,
                     color="tab:blue", capsize=3)
-        axes[0].set_title("median step time (ms, IQR bars; lower is faster)")
+        axes[0].set_title(f"median step time (ms{', IQR bars' if iqr else ''}; lower is faster)")
     axes[1].bar(names, [r.peak_mem_mib or 0 for r in ran], color="tab:orange")
     axes[1].set_title("peak memory (MiB)")
     for r in ran:
@@ -365,8 +392,11 @@ def write_plot(results: Sequence[ModeResult], path: str) -> None:
     axes[2].set_title("training loss")
     axes[2].set_xlabel("step")
     axes[2].legend()
-    for ax in axes[:2]:
+    for ax in axes[:2]:  # names such as 'lightning:bf16-mixed' end at their bar, not across the next one's
         ax.tick_params(axis="x", rotation=30)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
+            label.set_rotation_mode("anchor")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
