@@ -143,7 +143,9 @@ class PrecisionMonitor(Callback):
 
     Works with ``MPPlugin`` (reads ``plugin.stats``), with Lightning's ``MixedPrecision`` / ``FSDPPrecision``
     (reads ``trainer.scaler`` and the gradients of ``on_before_optimizer_step``), and with no scaler at all
-    (``"bf16-mixed"``, ``"32-true"``: nothing is skipped, the loss scale is not logged).
+    (``"bf16-mixed"``, ``"32-true"``: nothing is skipped, the loss scale is not logged). There, where no plugin can
+    skip a step, the monitor also checks the loss and the weights on its logging steps and warns once (rank zero)
+    when they turn inf/NaN: ``skip_rate`` would stay 0 beside a model that no longer trains.
 
     Logged every ``log_every_n_steps`` optimizer steps, at the step index Lightning's own metrics use:
 
@@ -274,6 +276,9 @@ class PrecisionMonitor(Callback):
         self._window_start: Optional[tuple[int, int]] = None  # (steps, skipped) at the previous logging step
         self._plugin: Optional[weakref.ref] = None  # the precision plugin whose counts the figures follow
         self._shared_row = _SharedRow()  # the figures of a step Lightning logs go into its row
+        self._nonfinite: Optional[Tensor] = None  # a logging step's loss or weights hold inf/NaN (no plugin skips)
+        self._ranks_nonfinite = False  # the same, agreed over ranks and read with the logged figures
+        self._warned_nonfinite = False  # (once a fit)
 
     def __getstate__(self) -> dict[str, Any]:  # (a weak reference does not pickle, nor the wrapper of a running fit)
         return {**self.__dict__, "_plugin": None, "_shared_row": _SharedRow()}
@@ -300,6 +305,7 @@ class PrecisionMonitor(Callback):
             # (a negative skip rate); a checkpoint given to fit restores them after this
             self._start_run()
         self._plugin = weakref.ref(plugin)
+        self._warned_nonfinite = False
         # (Trainer.log_every_n_steps: set by Lightning's logger connector, not declared on the class)
         every = trainer.log_every_n_steps  # type: ignore[attr-defined]
         self._every = self.log_every_n_steps if self.log_every_n_steps is not None else every
@@ -319,7 +325,8 @@ class PrecisionMonitor(Callback):
         device = trainer.strategy.root_device
         n_layers = len(self._names)
         n_max = len(_Scalars._fields) + len(_LayerMaxima._fields) * n_layers
-        n_sum = len(_LayerCounts._fields) * n_layers + 1  # and the sum of the squared gradient-norm shards
+        # and the non-finite loss or weights seen, and the sum of the squared gradient-norm shards
+        n_sum = len(_LayerCounts._fields) * n_layers + 2
         self._agreement = _RankAgreement(n_max, n_sum).to(device)
         self._native.reset_device(device)
         self._shared_row.install(trainer)
@@ -404,6 +411,8 @@ class PrecisionMonitor(Callback):
         if stats is None:
             self._native.after_step(trainer.scaler)
         if self._logging_step:
+            if not self._warned_nonfinite and stats is None and step_scaler is None:  # nothing skips such a step
+                self._nonfinite = _nonfinite_flag(pl_module, outputs)
             self._log(trainer, pl_module, stats, step_scaler)
             self._logging_step = False
             self._remove_hooks()
@@ -415,6 +424,7 @@ class PrecisionMonitor(Callback):
         scalars, maxima, sums = self._agree(counts, self._skip_rate(counts), grad_norm)
         self._act.clear()
         self._grad.clear()
+        self._warn_if_nonfinite(trainer)
         figures = _scalar_figures(scalars, counts, grad_norm is not None)
         figures.update(_layer_figures(self._names, maxima, sums, self._grad_scale_used))
         figures.update(_fp8_figures(stats) if self.fp8_layers and stats is not None else {})
@@ -474,11 +484,14 @@ class PrecisionMonitor(Callback):
         scalars = torch.tensor(local, dtype=torch.float64, device=device)
         norm_at = SCALAR_NAMES.index("grad_norm")
         maxima, sums = _layer_vectors(len(self._names), self._act, self._grad, device)
-        squares = torch.zeros(1, dtype=torch.float64, device=device)
+        squares = torch.zeros(2, dtype=torch.float64, device=device)  # [non-finite loss or weights, squared norm]
+        nonfinite, self._nonfinite = self._nonfinite, None
+        if nonfinite is not None:
+            squares[0] = nonfinite.to(device=device, dtype=torch.float64)
         if grad_norm is not None:
             norm = grad_norm.to(device=device, dtype=torch.float64)
             if self._sharded:
-                squares[0] = norm**2  # the norm over all shards: the square root of the sum over ranks
+                squares[1] = norm**2  # the norm over all shards: the square root of the sum over ranks
             else:
                 scalars[norm_at] = norm  # replicated gradients (DDP): the same on every rank
         agreement.reset()
@@ -487,11 +500,25 @@ class PrecisionMonitor(Callback):
         if self._sharded and grad_norm is not None:
             agreed_max[norm_at] = agreed_sum[-1].sqrt()
         values = torch.cat([agreed_max, agreed_sum[:-1]]).tolist()
+        self._ranks_nonfinite = values.pop() > 0  # any rank's loss or weights: read with the rest, no sync of its own
         n_scalars, n_maxima = len(_Scalars._fields), len(_LayerMaxima._fields) * len(self._names)
         return (
             _Scalars(*values[:n_scalars]),
             _LayerMaxima(*_per_layer(values[n_scalars : n_scalars + n_maxima], len(_LayerMaxima._fields))),
             _LayerCounts(*_per_layer(values[n_scalars + n_maxima :], len(_LayerCounts._fields))),
+        )
+
+    def _warn_if_nonfinite(self, trainer: Trainer) -> None:
+        """Once a fit: the loss or the weights turned inf/NaN and no precision plugin skips such steps here."""
+        if not self._ranks_nonfinite or self._warned_nonfinite:
+            return
+        self._ranks_nonfinite, self._warned_nonfinite = False, True
+        plugin = type(trainer.precision_plugin).__name__
+        rank_zero_warn(
+            f"PrecisionMonitor: the loss or the weights hold inf/NaN at step {trainer.global_step}, and no precision"
+            f" plugin skips such steps here ({plugin}, no loss scaler): precision/skip_rate stays 0 while the model"
+            " no longer trains. lightning_mp.MPPlugin skips inf/NaN steps in every mode and stops a run that"
+            " diverges; NonFiniteDetector names the module where the first inf/NaN appears."
         )
 
     # ------------------------------------------------------------------ per-layer figures (logging steps only)
@@ -843,6 +870,20 @@ def _mp_stats(trainer: Trainer) -> Optional[StepStats]:
     """MPPlugin's StepStats (read fresh: each plugin has its own), or None for other plugins."""
     stats = getattr(trainer.precision_plugin, "stats", None)
     return stats if isinstance(stats, StepStats) else None
+
+
+def _nonfinite_flag(pl_module: LightningModule, outputs: Any) -> Tensor:
+    """Whether the step's loss or any weight (this rank's shard) holds inf/NaN, as a device value (no host sync)."""
+    with torch.no_grad():
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        weights = [_local(p.detach()) for p in pl_module.parameters()]
+        finite = [torch.isfinite(w).all() for w in weights if w.numel() > 0 and w.is_floating_point()]
+        if isinstance(loss, Tensor) and loss.is_floating_point():
+            finite.append(torch.isfinite(loss.detach()).all())
+        if not finite:
+            return torch.zeros((), dtype=torch.bool)
+        device = finite[0].device
+        return ~torch.stack([f.to(device) for f in finite]).all()
 
 
 def _total_norm(grads: list[Tensor]) -> Tensor:
