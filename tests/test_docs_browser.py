@@ -1,6 +1,12 @@
 """The documentation site as a reader sees it: each page of the built site rendered headless in Chromium at
 1280 × 900, failing on a code block or table wider than the content column (a reader would have to scroll to see
-its end), on code in a table broken inside a word (`growth_fact` / `or`), and on an image that does not load.
+its end), on code in a table broken inside a word (`growth_fact` / `or`), on an image that does not load, and on a
+paragraph that holds a Markdown list (Python-Markdown needs a blank line before a list: without one the items run
+on in the paragraph, with literal " - ").
+
+Then each page again at a phone's 390 × 844: the page does not scroll sideways, a table either fits or scrolls in
+its wrapper with its first column (the names) in view, an API parameter table fits (its descriptions in view), a
+chart's smallest text is at least 9 px (CHART_TEXT_PX), and no code sits under a code block's copy button.
 
 It needs Playwright (``pip install playwright``) and a Chromium: the system's (``apt-get install chromium``), one
 named by ``CHROMIUM``, or Playwright's own (``playwright install chromium``). Without them the tests skip, saying
@@ -28,6 +34,18 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 VIEWPORT = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+#: each chart's smallest text, in the chart's own pixels: matplotlib's font size (10 pt, or a smaller one the script
+#: sets) at the dpi it saves at. A chart not listed fails the phone check: add it.
+CHART_TEXT_PX = {
+    "compare-vlm-h200.png": 10 * 110 / 72,  # compare --plot: 110 dpi
+    "convergence-curves.png": 8 * 120 / 72,  # benchmarks/convergence.py: legend at 8 pt, 120 dpi
+    "precision-monitor-fp16.png": 10 * 100 / 72,  # PrecisionMonitor(plot=...): 100 dpi
+    "run-all-gpt-1.3b-h200.png": 10 * 100 / 72,  # benchmarks/run_all.py: 100 dpi
+    "run-all-gpt-350m-vit-b16-h200.png": 10 * 100 / 72,
+    "run-all-vlm-h200.png": 10 * 100 / 72,
+}
+MIN_TEXT_PX = 9
 # every page of the site: docs/x.md is served at x/ (docs/index.md at the root)
 PAGES = sorted("" if p.stem == "index" else f"{p.stem}/" for p in DOCS.glob("*.md"))
 
@@ -84,6 +102,84 @@ FIND_PROBLEMS = """
     if (!img.complete || img.naturalWidth === 0) {
       problems.push(`image does not load: ${img.getAttribute('src')}`);
     }
+  }
+  return problems;
+}
+"""
+
+# Run in the page at any width: a Markdown list that ran on in a paragraph (a line of the paragraph's source starts
+# with a list marker; Python-Markdown keeps the source's line breaks in the paragraph's text).
+FIND_RUN_ON_LISTS = """
+() => {
+  const problems = [];
+  for (const p of document.querySelectorAll('article.md-content__inner p')) {
+    const item = (p.textContent || '').split('\\n').slice(1).find((line) => /^\\s*([-*+]|\\d+[.)])\\s+\\S/.test(line));
+    const what = 'a Markdown list inside a paragraph (no blank line before it)';
+    if (item) problems.push(`${what}: ${item.trim().slice(0, 70)}`);
+  }
+  return problems;
+}
+"""
+
+# Run in the page at a phone's width (CHART_TEXT_PX and MIN_TEXT_PX passed in): what a reader could not see.
+FIND_PHONE_PROBLEMS = r"""
+([textPx, minPx]) => {
+  const column = document.querySelector('article.md-content__inner');
+  if (!column) return ['no content column (article.md-content__inner) on the page'];
+  const first = (el) => (el.textContent || '').trim().split('\n')[0].slice(0, 60);
+  const problems = [];
+  const page = document.documentElement.scrollWidth;
+  if (page > window.innerWidth + 1) problems.push(`the page scrolls sideways (${page} px in ${window.innerWidth})`);
+  for (const table of column.querySelectorAll('table')) {
+    const wrap = table.closest('.md-typeset__scrollwrap') || table.parentElement;
+    const view = Math.min(wrap.getBoundingClientRect().right, window.innerWidth) + 1;
+    const api = table.closest('.doc-contents') !== null;
+    if (api && (wrap.scrollWidth > wrap.clientWidth + 1 || table.getBoundingClientRect().right > view)) {
+      problems.push(`an API table is wider than the phone (${table.scrollWidth} px): ${first(table)}`);
+      continue;
+    }
+    for (const row of table.rows) {
+      const cell = row.cells[0];
+      const box = cell && cell.getBoundingClientRect();
+      if (!box || (!box.width && !box.height)) continue;  // a row not shown (a header the phone's layout hides)
+      if (box.right > view || box.width < 24) {
+        problems.push(`a table's first column is out of view (${Math.round(box.left)}–${Math.round(box.right)} px):` +
+                      ` ${first(cell)}`);
+        break;
+      }
+    }
+  }
+  for (const img of column.querySelectorAll('img')) {
+    const name = (img.getAttribute('src') || '').split('/').pop();
+    if (!(name in textPx)) {
+      problems.push(`image ${name}: its smallest text size is not in CHART_TEXT_PX`);
+      continue;
+    }
+    const shown = img.getBoundingClientRect().width / img.naturalWidth * textPx[name];
+    if (shown < minPx) problems.push(`chart text of ${name} at ${shown.toFixed(1)} px (< ${minPx} px)`);
+  }
+  for (const pre of column.querySelectorAll('pre')) {
+    const button = pre.querySelector('.md-code__nav, .md-clipboard');
+    const code = pre.querySelector('code');
+    if (!button || !code) continue;
+    const b = button.getBoundingClientRect();
+    if (!b.width || !b.height) continue;
+    const walker = document.createTreeWalker(code, NodeFilter.SHOW_TEXT);
+    const range = document.createRange();
+    let under = null;
+    for (let text = walker.nextNode(); text && !under; text = walker.nextNode()) {
+      for (let i = 0; i < text.length; i++) {
+        if (/\s/.test(text.data[i])) continue;
+        range.setStart(text, i);
+        range.setEnd(text, i + 1);
+        const r = range.getClientRects()[0];
+        if (!r) continue;
+        if (r.top >= b.bottom) break;
+        if (r.right > b.left && r.left < b.right && r.bottom > b.top) { under = text.data.slice(i, i + 20); break; }
+      }
+      if (under === null && range.getClientRects()[0] && range.getClientRects()[0].top >= b.bottom) break;
+    }
+    if (under) problems.push(`code under the copy button: "${under}" in ${first(code)}`);
   }
   return problems;
 }
@@ -170,7 +266,32 @@ def test_every_page_is_checked():
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.rstrip("/") or "home")
 def test_page_fits_the_column_and_its_images_load(browser_page: Any, base_url: str, path: str):
+    browser_page.set_viewport_size(VIEWPORT)
     response = browser_page.goto(base_url + path, wait_until="load")
     assert response is not None and response.ok, f"{path}: HTTP {response and response.status}"
-    problems = browser_page.evaluate(FIND_PROBLEMS)
+    problems = browser_page.evaluate(FIND_PROBLEMS) + browser_page.evaluate(FIND_RUN_ON_LISTS)
     assert not problems, f"{path or 'home'} at 1280 × 900:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.rstrip("/") or "home")
+def test_page_reads_on_a_phone(browser_page: Any, base_url: str, path: str):
+    browser_page.set_viewport_size(PHONE)
+    response = browser_page.goto(base_url + path, wait_until="load")
+    assert response is not None and response.ok, f"{path}: HTTP {response and response.status}"
+    problems = browser_page.evaluate(FIND_PHONE_PROBLEMS, [CHART_TEXT_PX, MIN_TEXT_PX])
+    problems += browser_page.evaluate(FIND_RUN_ON_LISTS)
+    assert not problems, f"{path or 'home'} at 390 × 844:\n" + "\n".join(problems)
+
+
+def test_the_list_check_sees_a_list_that_ran_on_in_a_paragraph(browser_page: Any, base_url: str):
+    """The check itself, on a page built for it: what Python-Markdown makes of a list with no blank line before."""
+    browser_page.set_viewport_size(VIEWPORT)
+    browser_page.goto(base_url, wait_until="load")
+    browser_page.evaluate(
+        """() => { const p = document.createElement('p');
+                   p.textContent = 'Two checks:\\n- the first\\n- the second';
+                   document.querySelector('article.md-content__inner').appendChild(p); }"""
+    )
+    assert browser_page.evaluate(FIND_RUN_ON_LISTS) == [
+        "a Markdown list inside a paragraph (no blank line before it): - the first"
+    ]
