@@ -471,8 +471,10 @@ class MPSettings(_Settings):
                 f"{self.host}: fp8 settings are given but precision={self.precision!r}; they apply to 'fp8'."
             )
         if self.precision == AUTO:
-            if self.master_weights is not None:  # auto picks bf16 or fp16 autocast: fp32 weights
-                _refuse_master_weights(self.master_weights, "precision='auto' picks bf16 or fp16 autocast, with fp32")
+            if self.master_weights is not None:  # auto: bf16 or fp16 autocast, or fp32: fp32 weights
+                _refuse_master_weights(
+                    self.master_weights, "precision='auto' picks bf16 or fp16 autocast or fp32, each with fp32"
+                )
         elif self.precision in MODES:
             self.check_mode(MODES[self.precision])  # the hardware check waits for set-up, on the real device
 
