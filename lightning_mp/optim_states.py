@@ -128,8 +128,12 @@ class OptimizerStates:
 
     def __getstate__(self) -> dict[str, Any]:  # (a plugin pickles mid-fit: the hooks stay with the optimizers)
         state = dict(self.__dict__)
-        state["_held"], state["_verdict"], state["_pending"] = weakref.WeakKeyDictionary(), HostCopy(), None
+        state["_held"], state["_verdict"], state["_pending"] = None, HostCopy(), None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._held = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------ set-up
     def hold(self, optimizer: Any, host: str) -> Any:

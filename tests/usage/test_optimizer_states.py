@@ -312,3 +312,23 @@ def test_fabric_loop_holds_bf16_moments_skips_and_checkpoints(tmp_path):
     assert moment_dtypes(saved["optimizer"]["state"]) == {torch.bfloat16}
     assert saved["precision"]["optimizer_states"]["dtype"] == "bf16"
     precision.teardown()
+
+
+def test_the_plugin_and_the_optimizer_pickle_and_copy_mid_fit():
+    import pickle
+
+    copies = []
+
+    class CopyMidFit(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 1:
+                copies.append(pickle.loads(pickle.dumps(trainer.precision_plugin)))
+                copies.append(copy.deepcopy(trainer.precision_plugin))
+                copies.append(copy.deepcopy(trainer.optimizers[0]))
+
+    make_trainer(plugin("bf16-true"), max_steps=3, callbacks=[CopyMidFit()]).fit(TinyRegressor(optimizer="adam"))
+    assert [c.optimizer_states for c in copies[:2]] == ["bf16", "bf16"]
+    assert moment_dtypes(copies[2].state_dict()["state"]) == {torch.bfloat16}  # (see the docs: load it to step it)
+    model = TinyRegressor(optimizer="adam")
+    make_trainer(copies[0], max_steps=2).fit(model)  # a copy trains a new run
+    assert model.losses[-1] < model.losses[0]
