@@ -188,9 +188,10 @@ def trainer(accelerator: str, max_steps: int, callbacks: list, **kwargs: Any) ->
 
 # --------------------------------------------------------------------------------------------- modes
 class Lit(LightningModule):
-    def __init__(self, model: nn.Module, batches: list, kind: str, fused: bool) -> None:
+    def __init__(self, model: nn.Module, batches: list, kind: str, fused: bool, capturable: bool = False) -> None:
         super().__init__()
         self.model, self.batches, self.kind, self.fused = model, batches, kind, fused
+        self.capturable = capturable
 
     def training_step(self, batch, batch_idx):
         if self.kind == "mlp":
@@ -201,6 +202,9 @@ class Lit(LightningModule):
     def configure_optimizers(self):
         if self.kind == "mlp":
             return torch.optim.Adam(self.parameters(), lr=1e-3)
+        if self.capturable:  # (both sides: the same optimizer; ours captures its step, Lightning's runs it eagerly)
+            lr = torch.tensor(1e-4, device=self.device)
+            return torch.optim.AdamW(self.parameters(), lr=lr, fused=self.fused, capturable=True)
         return torch.optim.AdamW(self.parameters(), lr=1e-4, fused=self.fused)
 
     def train_dataloader(self):
@@ -340,9 +344,9 @@ def run_pair(lit: str, ours: str, args: Any, accelerator: str, ours_first: bool 
         try:
             _, kwargs = sides[i]
             model = small_model(args.model, device)
-            fused = accelerator == "gpu" or args.model == "tiny"
+            fused = (accelerator == "gpu" or args.model == "tiny") and args.optimizer != "foreach"
             trainer(accelerator, args.warmup + args.steps, [timers[i]], **kwargs).fit(
-                Lit(model, batches, args.model, fused))
+                Lit(model, batches, args.model, fused, args.capturable))
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
             errors.append(err)
             baton.finish(i)
@@ -788,6 +792,10 @@ def parser() -> argparse.ArgumentParser:
     lock.add_argument("--cores", type=int, default=1,
                       help="keep the process on the N fastest cores (default 1: both sides on one core; 0: as it is)")
     lock.add_argument("--json", default=None, help="also write the raw figures to this JSON file")
+    lock.add_argument("--optimizer", choices=["fused", "foreach"], default="fused",
+                      help="the GPT's AdamW implementation, both sides (default fused)")
+    lock.add_argument("--capturable", action="store_true",
+                      help="AdamW(capturable=True, lr a CUDA tensor) on both sides: ours captures bf16/fp32 steps")
 
     rounds = sub.add_parser("rounds", help="the modes interleaved by rounds (GPU-bound modes, the CPU MLP)")
     rounds.add_argument("--model", choices=["mlp", "gpt", "tiny"], default=None,

@@ -4,10 +4,12 @@ An eager step of a check-only mode (``fp32``, ``tf32``, ``bf16``: fp32 weights, 
 for inf/NaN and then either steps or does not. With a foreach optimizer the host must wait for that answer (one sync
 a step, as torch's GradScaler pays) before it can launch the optimizer's kernels; with any optimizer the launches
 themselves are host time on a small model. Captured, the whole of it after backward is one graph launch: the check
-writes a flag on the device, and the optimizer's update sits in a conditional node of the graph (CUDA 12.4+) that
-runs only where the flag is zero. The verdict never reaches the host during the step; a skipped step runs no kernel of
-the optimizer, so parameters, moments and step counts are exactly as the eager skip leaves them; the step counters,
-the buffers' restore and the schedulers' hold take the device flag as they do for a fused optimizer's device skip.
+writes a flag on the device, and the optimizer's update sits in a conditional node of the graph (CUDA 12.4+, torch
+2.12+) that runs only where the flag is zero; a fused optimizer (``fused=True``) takes the flag as its ``found_inf``
+and skips on it by itself, so its step is captured on any torch. The verdict never reaches the host during the
+step; a skipped step runs no kernel of the optimizer (a fused one: none that writes), so parameters, moments and
+step counts are exactly as the eager skip leaves them; the step counters, the buffers' restore and the schedulers'
+hold take the device flag as they do for a fused optimizer's device skip.
 
 Where it applies (:func:`why_not`; the reason is logged once where it does not): a CUDA device, one process, a
 check-only mode without master weights, a spike guard, FP8 or the in-backward check (the check-only plan of
@@ -56,11 +58,14 @@ def why_not(optimizer: Optimizer, device: torch.device) -> Optional[str]:
     """Why steps of ``optimizer`` on ``device`` cannot be captured (``None``: they can)."""
     if device.type != "cuda":
         return f"the device is {device.type}, not CUDA"
-    if not conditional_nodes():
-        return f"torch {torch.__version__} has no CUDA graph conditional nodes"
+    if device.index is None and torch.cuda.is_available():  # ("cuda": the current one, as tensors name it)
+        device = torch.device("cuda", torch.cuda.current_device())
     if type(optimizer) not in CAPTURABLE:
         return f"{type(optimizer).__name__} is not one of torch's Adam, AdamW or SGD"
     groups = optimizer.param_groups
+    if not conditional_nodes() and not all(g.get("fused") for g in groups):
+        return (f"torch {torch.__version__} has no CUDA graph conditional nodes (torch 2.12+), which skip a foreach"
+                f" step on the device: make {type(optimizer).__name__} with fused=True (it skips on the flag itself)")
     if type(optimizer) is torch.optim.SGD:  # (SGD has no capturable flag: its foreach step reads a tensor lr)
         if any(isinstance(g["lr"], Tensor) and not g.get("fused") for g in groups):
             return "SGD reads a tensor learning rate on the host in its step: give it a float, or fused=True"
@@ -154,6 +159,13 @@ class CapturedStep:
         )
         return False
 
+    def _fused_step(self) -> None:
+        self.optimizer.found_inf = self.flag  # type: ignore[attr-defined]
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf  # type: ignore[attr-defined]
+
     def give_up(self, reason: str) -> None:
         self.reason, self.graph = reason, None
         log.info("lightning_mp: the optimizer step is eager from now on: %s.", reason)
@@ -179,12 +191,14 @@ class CapturedStep:
                     by_dtype.setdefault(g.dtype, []).append(g)
                 for same in by_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(same, self.flag, one)
-                take = self.flag == 0
-                graph.begin_capture_to_if_node(take)
-                try:
-                    self.optimizer.step()
-                finally:
-                    graph.end_capture_to_conditional_node()
+                if all(g.get("fused") for g in self.optimizer.param_groups):
+                    self._fused_step()  # (the fused kernel skips on the flag: no conditional node needed)
+                else:
+                    graph.begin_capture_to_if_node(self.flag == 0)
+                    try:
+                        self.optimizer.step()
+                    finally:
+                        graph.end_capture_to_conditional_node()
         except Exception as err:  # a capture that fails must not stop training: the eager step does the same
             self.give_up(f"capturing it failed ({type(err).__name__}: {str(err)[:200]})")
             return

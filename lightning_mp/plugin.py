@@ -71,9 +71,9 @@ class MPPlugin(PrecisionRun, StepHooks, MixedPrecision, FSDPPrecision):  # type:
         hold_schedulers_on_skip: hold step-interval LR schedulers after a skipped step.
         tf32: ``True``/``False`` sets TF32 matmul/cuDNN for the run (restored at teardown); ``None``: the mode's.
         release_grads_after_step: gradients to ``None`` right after the step (automatic optimization).
-        capture_step: in ``fp32``/``tf32``/``bf16`` on CUDA with a capturable ``Adam``/``AdamW``/``SGD``
-            (``capturable=True``), the check, the skip and the optimizer's update replayed from a CUDA graph
-            (:mod:`lightning_mp.capture`); ``False``: always the eager step.
+        capture_step: ``True``: in ``fp32``/``tf32``/``bf16`` on CUDA with torch's ``Adam``/``AdamW``
+            (``capturable=True``) or ``SGD``, the check, the skip and the optimizer's update replayed from a CUDA
+            graph (:mod:`lightning_mp.capture`); ``False`` (the default for now): the eager step.
         fp32_modules: modules run in fp32 (class names, name patterns, classes, ``"defaults"``); ``None``: the
             defaults (norms, softmax, losses; in ``bf16-true`` with master weights plain ``nn.LayerNorm`` modules
             run in bf16, their kernel computing in fp32); ``[]``: none.

@@ -60,7 +60,7 @@ class OptimizerSteps:
         saturation: Optional[Callable[[], Optional[Tensor]]] = None,
         spike: Optional[SpikeGuard] = None,
         release_grads: bool = False,
-        capture: bool = True,
+        capture: bool = False,
     ) -> None:
         self._scaler, self.masters, self.stats = scaler, masters, stats
         self.max_consecutive_skips, self.saturation, self.spike = max_consecutive_skips, saturation, spike

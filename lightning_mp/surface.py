@@ -59,7 +59,7 @@ class PrecisionRun:
         hold_schedulers_on_skip: bool = True,
         tf32: Optional[bool] = None,
         release_grads_after_step: bool = True,
-        capture_step: bool = True,
+        capture_step: bool = False,
         fp32_modules: Optional[list[str]] = None,
         master_weights: Optional[Union[str, bool]] = None,
         optimizer_states: str = "fp32",

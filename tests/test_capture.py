@@ -23,7 +23,7 @@ from lightning_mp import capture as capture_module
 from lightning_mp.capture import CapturedPlan, CapturedStep, why_not
 from lightning_mp.plans import CheckOnlyPlan
 
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda", 0)
 
 
 @pytest.fixture
@@ -36,8 +36,8 @@ def with_conditional_nodes(monkeypatch):
     (lambda p: torch.optim.RMSprop(p, lr=1e-2), "RMSprop is not one of torch's Adam, AdamW or SGD"),
     (lambda p: torch.optim.LBFGS(p), "LBFGS is not one of"),
     (lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)), "SGD reads a tensor learning rate on the host"),
-    (lambda p: torch.optim.Adam(p, lr=torch.tensor(0.1), capturable=True), "a hyperparameter is a tensor off cuda"),
-    (lambda p: torch.optim.AdamW(p, lr=1e-2, capturable=True), "not all dense tensors on cuda"),
+    (lambda p: torch.optim.Adam(p, lr=torch.tensor(0.1), capturable=True), "a hyperparameter is a tensor off cuda:0"),
+    (lambda p: torch.optim.AdamW(p, lr=1e-2, capturable=True), "not all dense tensors on cuda:0"),
 ])
 def test_why_a_step_is_not_captured(with_conditional_nodes, make, reason):
     assert reason in why_not(make([nn.Parameter(torch.zeros(3))]), CUDA)

@@ -28,7 +28,9 @@ pytestmark = [
 ]
 
 POISON = {4: math.inf, 7: math.nan}  # batch index -> what the loss is multiplied by
-OPTIMIZERS = ("adamw-foreach-tensor-lr", "adamw-fused-tensor-lr", "adam-float-lr", "sgd-momentum")
+OPTIMIZERS = ("adamw-fused-tensor-lr", "sgd-fused", "adamw-foreach-tensor-lr", "adam-float-lr", "sgd-momentum")
+#: captured on any torch (the fused kernel skips on the flag); the others need conditional nodes (torch 2.12+)
+FUSED = ("adamw-fused-tensor-lr", "sgd-fused")
 
 
 class Net(LightningModule):
@@ -46,8 +48,8 @@ class Net(LightningModule):
 
     def configure_optimizers(self):
         params = self.parameters()
-        if self.kind == "sgd-momentum":
-            return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4)
+        if self.kind.startswith("sgd"):
+            return torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=1e-4, fused=self.kind == "sgd-fused")
         if self.kind == "adam-float-lr":
             return torch.optim.Adam(params, lr=1e-2, capturable=True)
         lr = torch.tensor(1e-2, device=self.device)
@@ -86,7 +88,8 @@ def fit(capture: bool, optimizer: str, mode: str = "bf16", *, steps: int = 10, c
         "skipped": plugin.stats.skipped_steps,
         "steps": plugin.stats.steps,
         "replayed": replayed,
-        "reason": [p.captured.reason for p in plans if isinstance(p, capture_module.CapturedPlan)],
+        "reason": [p.captured.reason for p in plans if isinstance(p, capture_module.CapturedPlan)]
+        + [capture_module.why_not(opt, torch.device("cuda")), [type(p).__name__ for p in plans]],
     }
 
 
@@ -104,7 +107,10 @@ def assert_same(a, b):
 @pytest.mark.parametrize("mode", ("bf16", "fp32"))
 def test_captured_equals_eager_with_poisoned_steps(optimizer, mode):
     captured, eager = fit(True, optimizer, mode), fit(False, optimizer, mode)
-    assert captured["replayed"] == [True], captured["reason"]
+    if optimizer in FUSED or capture_module.conditional_nodes():
+        assert captured["replayed"] == [True], captured["reason"]
+    else:
+        assert "no CUDA graph conditional nodes" in captured["reason"][0], captured["reason"]
     assert eager["replayed"] == [] and captured["skipped"] == 2
     assert_same(captured, eager)
 
@@ -112,17 +118,17 @@ def test_captured_equals_eager_with_poisoned_steps(optimizer, mode):
 @pytest.mark.parametrize("clip", ("norm", "value"))
 @pytest.mark.parametrize("accumulate", (1, 2))
 def test_captured_equals_eager_with_clipping_and_accumulation(clip, accumulate):
-    captured = fit(True, "adamw-foreach-tensor-lr", clip=clip, accumulate=accumulate, steps=6)
-    eager = fit(False, "adamw-foreach-tensor-lr", clip=clip, accumulate=accumulate, steps=6)
+    captured = fit(True, "adamw-fused-tensor-lr", clip=clip, accumulate=accumulate, steps=6)
+    eager = fit(False, "adamw-fused-tensor-lr", clip=clip, accumulate=accumulate, steps=6)
     assert captured["replayed"] == [True], captured["reason"]
     assert_same(captured, eager)
 
 
 def test_captured_resume_equals_eager_resume(tmp_path):
     for capture in (True, False):
-        fit(capture, "adamw-foreach-tensor-lr", steps=5, save=str(tmp_path / f"{capture}.ckpt"))
-    captured = fit(True, "adamw-foreach-tensor-lr", steps=10, ckpt=str(tmp_path / "True.ckpt"))
-    eager = fit(False, "adamw-foreach-tensor-lr", steps=10, ckpt=str(tmp_path / "False.ckpt"))
+        fit(capture, "adamw-fused-tensor-lr", steps=5, save=str(tmp_path / f"{capture}.ckpt"))
+    captured = fit(True, "adamw-fused-tensor-lr", steps=10, ckpt=str(tmp_path / "True.ckpt"))
+    eager = fit(False, "adamw-fused-tensor-lr", steps=10, ckpt=str(tmp_path / "False.ckpt"))
     assert captured["replayed"] == [True], captured["reason"]
     assert_same(captured, eager)
 
@@ -130,12 +136,12 @@ def test_captured_resume_equals_eager_resume(tmp_path):
 def test_a_float_learning_rate_changing_every_step_gives_the_capture_up_with_its_reason():
     class FloatSchedule(Net):
         def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, capturable=True)
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2, capturable=True, fused=True)
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     seed_everything(0)
-    model, plugin = FloatSchedule("adam-float-lr"), MPPlugin("bf16")
+    model, plugin = FloatSchedule("adam-float-lr"), MPPlugin("bf16", capture_step=True)
     Trainer(accelerator="gpu", devices=1, plugins=[plugin], logger=False, enable_checkpointing=False,
             enable_progress_bar=False, enable_model_summary=False, max_steps=12).fit(model)
     plan = next(iter(plugin._steps._optimizers.values())).plan
@@ -144,10 +150,11 @@ def test_a_float_learning_rate_changing_every_step_gives_the_capture_up_with_its
 
 
 @pytest.mark.parametrize(("make", "reason"), [
-    (lambda p: torch.optim.AdamW(p, lr=1e-2), "capturable=True"),
+    (lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True), "capturable=True"),
     (lambda p: torch.optim.RMSprop(p, lr=1e-2), "not one of torch's Adam, AdamW or SGD"),
-    (lambda p: torch.optim.SGD(p, lr=torch.tensor(0.05, device="cuda")), "tensor learning rate"),
-    (lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), capturable=True), "off cuda"),
+    (lambda p: torch.optim.SGD(p, lr=torch.tensor(0.05, device="cuda")),
+     "tensor learning rate" if capture_module.conditional_nodes() else "no CUDA graph conditional nodes"),
+    (lambda p: torch.optim.AdamW(p, lr=torch.tensor(1e-2), capturable=True, fused=True), "off cuda"),
 ])
 def test_steps_that_cannot_be_captured_say_why_and_run_eagerly(make, reason, caplog):
     class Other(Net):
@@ -155,7 +162,7 @@ def test_steps_that_cannot_be_captured_say_why_and_run_eagerly(make, reason, cap
             return make(self.parameters())
 
     seed_everything(0)
-    plugin = MPPlugin("bf16")
+    plugin = MPPlugin("bf16", capture_step=True)
     with caplog.at_level("INFO", logger="lightning_mp.capture"):
         Trainer(accelerator="gpu", devices=1, plugins=[plugin], logger=False, enable_checkpointing=False,
                 enable_progress_bar=False, enable_model_summary=False, max_steps=6).fit(Other("x"))
