@@ -75,7 +75,10 @@ def why_not(optimizer: Optimizer, device: torch.device) -> Optional[str]:
         return f"a hyperparameter is a tensor off {device} (the graph would read it once): create it on {device}"
     if any(group.get("differentiable", False) for group in optimizer.param_groups):
         return f"{type(optimizer).__name__} is differentiable"
-    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or _global_step_hooks():
+    hooks = [*optimizer._optimizer_step_pre_hooks.values(), *optimizer._optimizer_step_post_hooks.values()]
+    if any(type(getattr(h, "__self__", None)).__module__ == "lightning_mp.optim_states" for h in hooks):
+        return "optimizer_states='bf16' rounds its moments in step hooks, which a replay would not run"
+    if hooks or _global_step_hooks():
         return "the optimizer has step hooks, which a replay would not run"
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if not params or any(type(p.data) is not Tensor or p.is_sparse or p.device != device for p in params):
@@ -245,3 +248,24 @@ class CapturedPlan(CheckOnlyPlan):
         if flag is None:
             return self.eager(optimizer, kwargs)
         return None, Outcome(None, flag, flag)
+
+
+def not_captured(steps: Any, plan: Any, optimizer: Optimizer) -> None:
+    """Log once why the steps of ``optimizer``, run by ``plan`` (not the check-only plan), are not captured."""
+    scaler = steps.scaler
+    if plan.kind == "closure":
+        reason = f"{type(optimizer).__name__} evaluates its closure inside step()"
+    elif not steps.host.whole_steps:
+        reason = "manual optimization steps it (the loop's code between backward and the step is not captured)"
+    elif scaler is None:
+        reason = "steps are not checked (skip_nonfinite=False): the optimizer's own step runs as it is"
+    elif scaler.scaling:
+        reason = "the mode scales the loss (fp16): its steps are not captured yet"
+    elif steps.masters is not None:
+        reason = "the mode keeps master weights (true-half): its steps are not captured yet"
+    elif scaler.sync_across_ranks or scaler.sharded:
+        reason = "several processes agree on each verdict (DDP, FSDP)"
+    else:
+        reason = "a spike guard, FP8 or the in-backward check joins the verdict"
+    device = getattr(scaler, "scale_device", torch.device("cpu")) if scaler is not None else torch.device("cpu")
+    (log.info if device.type == "cuda" else log.debug)("lightning_mp: the optimizer step is not captured: %s.", reason)

@@ -17,7 +17,7 @@ from torch.amp.grad_scaler import OptState
 from torch.optim import Optimizer
 
 from lightning_mp.buffers import BufferSnapshot
-from lightning_mp.capture import CapturedPlan
+from lightning_mp.capture import CapturedPlan, not_captured
 from lightning_mp.distributed import FP32SumReduction, grads_synced
 from lightning_mp.host import Host, host_of
 from lightning_mp.master import MasterWeights
@@ -47,7 +47,6 @@ class OptimizerSteps:
         stats: where the outcome of each step is published (read by callbacks).
         max_consecutive_skips: stop after this many skipped steps in a row of one optimizer (``None``: never).
         saturation: a callable returning a device flag (> 0: an FP8 cast saturated an inf) or ``None``.
-        capture: capture the check-only plans' steps where they can be (:mod:`lightning_mp.capture`).
     """
 
     def __init__(
@@ -239,9 +238,8 @@ class OptimizerSteps:
 
     def _plan(self, state: OptimizerState) -> Plan:
         """Make once the plan of this optimizer's steps (kept until the scaler or the optimizers change; see
-        :mod:`lightning_mp.plans`): closure-taking optimizers' (:func:`evaluates_closure`); check-only for the common
-        case of one process in a check-only mode (fp32, tf32, bf16) with fp32 weights, no spike guard, FP8 or
-        large-model early check (a fused optimizer gets its verdict on the device); the general plan elsewhere."""
+        :mod:`lightning_mp.plans`): closure-taking optimizers', check-only (captured where it can be: the common case
+        of one process in fp32/tf32/bf16 with fp32 weights), or the general plan."""
         optimizer, scaler = state.optimizer, self._scaler
         plan: Plan
         if evaluates_closure(optimizer):
@@ -252,6 +250,8 @@ class OptimizerSteps:
             plan = (CapturedPlan.make if self.capture else CheckOnlyPlan)(self, state, scaler, fused)
         else:
             plan = GeneralPlan(self, state, manual=not self.host.whole_steps)
+        if self.capture and not isinstance(plan, CheckOnlyPlan):
+            not_captured(self, plan, optimizer)
         state.plan = plan
         return plan
 

@@ -179,3 +179,44 @@ def test_a_float_learning_rate_changing_every_step_gives_the_capture_up(stand_in
     assert len(stand_in_graph) == capture_module.RECAPTURES + 1
     assert any("eager from now on" in r.message for r in caplog.records)
     assert_same_runs(captured, eager)
+
+
+@pytest.mark.parametrize(("mode", "kwargs", "reason"), [
+    ("bf16-true", {}, "master weights"),
+    ("fp16", {}, "scales the loss"),
+    ("bf16", {"skip_nonfinite": False}, "not checked"),
+    ("bf16", {"spike_sigma": 6.0}, "spike guard"),
+])
+def test_plans_that_are_not_captured_say_why(mode, kwargs, reason, caplog):
+    class Plain(Net):
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    seed_everything(0)
+    with caplog.at_level("DEBUG", logger="lightning_mp.capture"):
+        Trainer(accelerator="cpu", devices=1, plugins=[MPPlugin(mode, capture_step=True, **kwargs)], logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                max_steps=3).fit(Plain())
+    said = [r.message for r in caplog.records if "not captured" in r.message]
+    assert len(said) == 1 and reason in said[0], said
+
+
+def test_closure_optimizers_say_why(caplog):
+    class WithLBFGS(Net):
+        def configure_optimizers(self):
+            return torch.optim.LBFGS(self.parameters(), lr=0.1, max_iter=2)
+
+    seed_everything(0)
+    with caplog.at_level("DEBUG", logger="lightning_mp.capture"):
+        Trainer(accelerator="cpu", devices=1, plugins=[MPPlugin("bf16", capture_step=True)], logger=False,
+                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                max_steps=2).fit(WithLBFGS())
+    assert any("LBFGS evaluates its closure" in r.message for r in caplog.records), caplog.text
+
+
+def test_bf16_optimizer_states_name_themselves_as_the_reason(with_conditional_nodes):
+    from lightning_mp.optim_states import OptimizerStates
+
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=0.01, capturable=True)
+    OptimizerStates("bf16").hold(opt, "MPPlugin")
+    assert "optimizer_states='bf16'" in why_not(opt, CUDA)
