@@ -14,7 +14,7 @@ import math
 import operator
 import weakref
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -113,6 +113,11 @@ def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> d
     ones: that fused kernel with scale 1, one launch instead of five, which is what counts on a model whose
     step is bound by the host (``x * 1`` is ``x`` for every float, so the gradients keep their values).
     """
+    planned = _planned(optimizer)
+    if planned is not None:
+        flags = planned.found_inf(found_inf)
+        if flags is not None:
+            return flags
     grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not grads:
         return {}
@@ -124,6 +129,24 @@ def check_grads_(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> d
         check_tensors_(per_dtype, numel, flag)
         found[device] = flag
     return found
+
+
+#: optimizer -> (its parameters when planned, the plan or ``None``): the check of the parameters as they stand in the
+#: param groups (a stand-in swap or ``add_param_group`` makes a new plan)
+_PLANS: "weakref.WeakKeyDictionary[Any, tuple[list[torch.Tensor], Optional[PlannedCheck]]]"
+_PLANS = weakref.WeakKeyDictionary()
+
+
+def _planned(optimizer: Any) -> Optional["PlannedCheck"]:
+    """The :class:`PlannedCheck` of ``optimizer``'s parameters as they are now, planned once while they stay."""
+    every = [p for group in optimizer.param_groups for p in group["params"]]
+    known = _PLANS.get(optimizer)
+    if known is None or len(known[0]) != len(every) or not all(map(operator.is_, known[0], every)):
+        try:
+            known = _PLANS[optimizer] = (every, PlannedCheck.of(optimizer))
+        except TypeError:  # (an object that cannot be weakly referenced: planned for this call alone)
+            return PlannedCheck.of(optimizer)
+    return known[1]
 
 
 def _flag_on(device: torch.device, found_inf: torch.Tensor) -> torch.Tensor:
@@ -197,10 +220,15 @@ class PlannedCheck:
     The plan is kept while the optimizer's parameter count is unchanged (``add_param_group`` makes a new one).
     """
 
-    __slots__ = ("params", "dtype", "numel", "count", "one")
+    __slots__ = ("params", "dtype", "numel", "count", "one", "groups")
 
-    def __init__(self, params: list[torch.Tensor], dtype: torch.dtype, numel: int, count: int) -> None:
+    def __init__(
+        self, params: list[torch.Tensor], dtype: torch.dtype, numel: int, count: int,
+        groups: Optional[list[tuple[torch.dtype, list[torch.Tensor]]]] = None,
+    ) -> None:
         self.params, self.dtype, self.numel, self.count = params, dtype, numel, count
+        #: parameters of several dtypes on the one device (true-half weights beside a guard's fp32 ones): per dtype
+        self.groups = groups
         device = params[0].device
         #: the scale of 1 of torch's fused check-and-unscale kernel where :func:`check_tensors_` would take it
         fused = numel <= FUSED_CHECK_MAX_NUMEL and (dtype != torch.bfloat16 or device.type != "cuda")
@@ -217,16 +245,20 @@ class PlannedCheck:
         if not params:
             return None
         device, dtype = params[0].device, params[0].dtype
-        if not dtype.is_floating_point:  # (complex is not floating point: complex parameters take the general check)
-            return None
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
         for p in params:
-            if p.device != device or p.dtype != dtype or p.layout is not torch.strided or _is_dtensor(p):
+            # (complex is not floating point: complex parameters take the general check)
+            if p.device != device or not p.dtype.is_floating_point or p.layout is not torch.strided or _is_dtensor(p):
                 return None
-        return cls(params, dtype, sum(p.numel() for p in params), len(every))
+            groups.setdefault(p.dtype, []).append(p)
+        several = list(groups.items()) if len(groups) > 1 else None
+        return cls(params, dtype, sum(p.numel() for p in params), len(every), several)
 
     def found_inf(self, flag: torch.Tensor) -> Optional[dict[torch.device, torch.Tensor]]:
         """Set ``flag`` where a gradient is inf/NaN; ``None`` where a gradient is not what the plan expected (a sparse
         gradient of an ``nn.Embedding(sparse=True)``): the caller takes the general check."""
+        if self.groups is not None:
+            return self._found_inf_per_dtype(flag)
         grads = list(map(_GRAD, self.params))
         if _NONE in set(map(type, grads)):  # (C passes: no Python a parameter in the common case)
             grads = [g for g in grads if g is not None]
@@ -242,6 +274,25 @@ class PlannedCheck:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, self.one)  # check_tensors_'s kernel
         else:
             check_tensors_({self.dtype: grads}, self.numel, flag)
+        return {flag.device: flag}
+
+
+    def _found_inf_per_dtype(self, flag: torch.Tensor) -> Optional[dict[torch.device, torch.Tensor]]:
+        """:meth:`found_inf` for parameters of several dtypes: one check of each dtype's gradients."""
+        per_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for dtype, params in cast(list, self.groups):
+            grads = list(map(_GRAD, params))
+            if _NONE in set(map(type, grads)):
+                grads = [g for g in grads if g is not None]
+            if not grads:
+                continue
+            first = grads[0]
+            if first.layout is not torch.strided or first.dtype != dtype or type(first) is not torch.Tensor \
+                    or first.device != flag.device:
+                return None
+            per_dtype[dtype] = grads
+        if per_dtype:
+            check_tensors_(per_dtype, self.numel, flag)
         return {flag.device: flag}
 
 

@@ -148,3 +148,25 @@ def test_a_loss_scaler_in_the_plugin_reads_the_plugins_counts():
 def test_the_old_check_only_scaler_points_to_the_guard():
     with pytest.raises(TypeError, match="NonfiniteGuard"):
         DynamicLossScaler("cpu", scaling=False)
+
+
+def test_a_planned_check_of_several_dtypes_finds_an_inf_in_either():
+    """True-half weights beside a guard's fp32 ones (master_weights="none"): the check is planned once for both dtypes
+    (no grouping of the gradients at every step) and finds an inf or NaN in either; a parameter without a gradient
+    is left out."""
+    from lightning_mp.verdict import PlannedCheck, zero_flag
+
+    half = [torch.nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16)) for shape in ((4, 4), (3,))]
+    full = [torch.nn.Parameter(torch.zeros(5))]
+    plan = PlannedCheck.of(torch.optim.SGD([*half, *full], lr=0.1))
+    assert plan is not None and plan.groups is not None and len(plan.groups) == 2
+    for p in (*half, *full):
+        p.grad = torch.ones_like(p)
+    half[1].grad = None
+    for poisoned, value in ((None, 0.0), (full[0], math.inf), (half[0], math.nan)):
+        if poisoned is not None:
+            poisoned.grad[0] = value
+        flag = zero_flag(torch.device("cpu"))
+        assert plan.found_inf(flag) == {flag.device: flag} and flag.item() == (poisoned is not None)
+        if poisoned is not None:
+            poisoned.grad[0] = 1.0
