@@ -39,6 +39,7 @@ import contextlib
 import copy
 import enum
 import inspect
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, cast
@@ -58,6 +59,8 @@ from lightning_mp.overlap import OverlappedCheck
 from lightning_mp.spike import SpikeGuard, all_ranks_agree, total_grad_norm
 from lightning_mp.scaling import DynamicLossScaler
 from lightning_mp.stats import NonFiniteTrainingError, OptimizerStats
+
+log = logging.getLogger(__name__)
 
 #: the kinds of plans (a plan's ``kind``; see ``OptimizerSteps._plan``)
 _CHECK_ONLY, _CHECK_ONLY_FUSED, _CLOSURE, _GENERAL = "check-only", "check-only fused", "closure", "general"
@@ -155,6 +158,8 @@ class CheckOnlyPlan:
         self.check = checks.PlannedCheck.of(state.optimizer)  # (``None``: the general check)
         if fused:
             self._step = self._step_fused  # type: ignore[method-assign]  # (chosen once: no branch a step)
+        else:
+            say_host_sync(state.optimizer, scaler)
 
     @staticmethod
     def fits(steps: Steps, scaler: Optional[StepGuard], automatic: bool) -> bool:
@@ -321,6 +326,10 @@ class GeneralPlan:
         self.steps, self.state, self.scaler = steps, state, steps.scaler
         self.with_closure = ClosurePlan(steps, state) if manual else None
         self._step = self._step_unchecked if self.scaler is None else self._step_checked
+        if self.scaler is not None and not checks.takes_device_verdict(
+            state.optimizer, scaling=self.scaler.scaling, device=self.scaler.scale_device
+        ):
+            say_host_sync(state.optimizer, self.scaler)
 
     def run(
         self, optimizer: Optimizer, closure: Callable[[], Any], hooks_and_clipping: Callable[[], None],
@@ -399,6 +408,18 @@ class GeneralPlan:
             spike = all_ranks_agree(guard.decide(loss, norm, index=state.index))
         scaler.verdicts.add_(optimizer, spike, agreed=True)
         return spike, inf_only, norm, loss
+
+
+def say_host_sync(optimizer: Optimizer, scaler: StepGuard) -> None:
+    """Log once (CUDA) that ``optimizer``'s steps read their verdict on the host, and how to spare it."""
+    if scaler.scale_device.type != "cuda" or getattr(optimizer, "_step_supports_amp_scaling", False):
+        return
+    fusable = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD))
+    log.info(
+        "lightning_mp: %s is not fused: each step reads its inf/NaN verdict on the host before the update (one sync"
+        " a step, as torch's GradScaler pays; on a small model the GPU then waits for the update's launches)%s.",
+        type(optimizer).__name__, "; made with fused=True it skips on the device instead" if fusable else "",
+    )
 
 
 def first_verdict(steps: Steps, optimizer: Optimizer, state: OptimizerState, scaler: Optional[StepGuard]) -> None:

@@ -220,3 +220,20 @@ def test_bf16_optimizer_states_name_themselves_as_the_reason(with_conditional_no
     opt = torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=0.01, capturable=True)
     OptimizerStates("bf16").hold(opt, "MPPlugin")
     assert "optimizer_states='bf16'" in why_not(opt, CUDA)
+
+
+def test_a_non_fused_optimizer_on_cuda_is_told_how_to_spare_the_host_sync(caplog):
+    from types import SimpleNamespace
+
+    from lightning_mp.plans import say_host_sync
+
+    params = [nn.Parameter(torch.zeros(3))]
+    on_cuda, on_cpu = SimpleNamespace(scale_device=CUDA), SimpleNamespace(scale_device=torch.device("cpu"))
+    with caplog.at_level("INFO", logger="lightning_mp.plans"):
+        say_host_sync(torch.optim.AdamW(params, lr=0.01), on_cuda)
+        say_host_sync(torch.optim.RMSprop(params, lr=0.01), on_cuda)
+        say_host_sync(torch.optim.AdamW(params, lr=0.01, fused=True), on_cuda)  # skips on the device: nothing said
+        say_host_sync(torch.optim.AdamW(params, lr=0.01), on_cpu)  # (no queue to drain on the CPU)
+    said = [r.message for r in caplog.records]
+    assert len(said) == 2 and "AdamW is not fused" in said[0] and "fused=True" in said[0]
+    assert "RMSprop is not fused" in said[1] and "fused=True" not in said[1]
