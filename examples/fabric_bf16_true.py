@@ -6,7 +6,8 @@ layer tied to the embedding); the loop is a plain Fabric one, as LitGPT's: gradi
 plugin's state, and a resume from it. bf16 weights and compute, fp32 master weights, FP32 guards, steps with an
 inf/NaN skipped::
 
-    python -m examples.fabric_bf16_true                              # CPU: about 2 minutes on 2 cores
+    python -m examples.fabric_bf16_true                              # 2 CPU cores with native bf16: about 2 min
+    python -m examples.fabric_bf16_true --precision fp32             # a CPU without native bf16 (AVX2 alone)
     python -m examples.fabric_bf16_true --precision fp16 --steps 100  # any mode of MPPlugin
     python -m examples.fabric_bf16_true --steps 300 --checkpoint ckpt.pt
     python -m examples.fabric_bf16_true --steps 400 --resume ckpt.pt  # goes on from step 300, bit for bit

@@ -6,8 +6,10 @@ The text is always there offline: the source files of a handful of standard-libr
 ``torch.nn.functional.scaled_dot_product_attention``, GELU MLPs, learned positions, and the output layer tied
 to the token embedding.
 
-CPU (the default size, 0.8 M parameters, about 3 minutes on 2 cores in bf16: validation bits per byte fall
-from 8 to about 1.7 in the 1,000 steps, and the greedy sample turns into Python, e.g. ``def __repr__(self):``)::
+CPU (the default size, 0.8 M parameters: validation bits per byte fall from 8 to about 1.7 in the 1,000 steps, and
+the greedy sample turns into Python, e.g. ``def __repr__(self):``; 2.5 minutes on 2 cores of a CPU with native bf16;
+on a CPU without it bf16 runs many times slower than fp32: use the fp32 config there, about 3.5 minutes.
+docs/getting-started.md has the times, docs/modes.md "On a CPU" the penalty)::
 
     python -m examples.gpt_mini fit --config examples/configs/gpt_mini_bf16.yaml
     python -m examples.gpt_mini fit --config examples/configs/gpt_mini_fp16.yaml --trainer.max_steps=200

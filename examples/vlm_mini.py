@@ -8,8 +8,9 @@ digits of ``sklearn.datasets.load_digits`` (upsampled to 16x16), captioned ``"th
 Validation generates captions greedily, under the run's precision, and logs ``val/caption_acc`` (exact
 caption match) and ``val/digit_acc`` (the digit word right).
 
-CPU (the default size, 0.6 M parameters, about a minute on 2 cores in bf16; the caption accuracy passes 0.9
-by step 200 and reaches about 0.98 at step 600)::
+CPU (the default size, 0.6 M parameters; the caption accuracy passes 0.9 by step 200 and reaches about 0.98 at
+step 600; 43 s on 2 cores of a CPU with native bf16; without native bf16 use the fp32 config, about a minute:
+docs/getting-started.md has the times)::
 
     pip install scikit-learn      # or: pip install -e ".[examples]"
     python -m examples.vlm_mini fit --config examples/configs/vlm_mini_bf16.yaml

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import math
+import os
+import time
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -15,6 +18,108 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import cpu
+
+
+#: The whole suite's time in minutes, as README.md and docs/development.md state it: measured with `make test` on a
+#: 2-core x86 CPU (a shared cloud machine, as quiet as it could be had) with native bf16 (AVX512-BF16), and on the same
+#: CPU with native bf16 held back as on a CPU with AVX2 alone (ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2).
+#: `make test` sets LIGHTNING_MP_SUITE_BUDGET=1 and holds a run of the whole suite to them, so that they stay true
+#: without failing CI, or a user's first `make test`, on a machine of unknown speed. The figure is first scaled to this
+#: machine: by how much slower than on the machine of the figures it runs a small fp32 training loop (MACHINE_PACE_S;
+#: never scaled down). Then:
+#: - up to the figure plus a quarter (SUITE_REPORT_OVER): nothing is said;
+#: - beyond that, up to twice the figure (SUITE_FAIL_OVER): it is reported, and the run still passes;
+#: - beyond twice the figure, a gross regression: the run fails, except where the time says nothing of the suite,
+#:   on a machine busy with other work (a 5-minute load average above 1.5 a core at the end) or with a single core,
+#:   where it is reported instead.
+SUITE_MINUTES = {"native bf16": 5, "no native bf16": 6}
+SUITE_REPORT_OVER = 1.25
+SUITE_FAIL_OVER = 2.0
+SUITE_BUSY_LOAD_PER_CORE = 1.5
+#: machine_pace() on the machine of SUITE_MINUTES (seconds; the best of three, 0.153-0.167 s there)
+MACHINE_PACE_S = 0.15
+TESTS = Path(__file__).resolve().parent
+
+
+def machine_pace() -> float:
+    """Seconds this machine takes for a fixed small fp32 training loop (100 Adam steps of a 3-layer MLP of width 256,
+    batch 128: host work and small matrix multiplies, as in most of the suite), the best of three (or the first, where
+    it took ten times MACHINE_PACE_S): 0.15 s each on the machine of the figures."""
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(128, 256, generator=generator), torch.randn(128, 1, generator=generator)
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(100):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+        best = min(best, time.perf_counter() - start)
+        if best > 10 * MACHINE_PACE_S:  # slow enough to say so: no need to spend more (a busy machine: minutes)
+            break
+    return best
+
+
+def _whole_suite_timed(config: pytest.Config) -> bool:
+    return os.environ.get("LIGHTNING_MP_SUITE_BUDGET") == "1" and [Path(a).resolve() for a in config.args] == [TESTS] \
+        and not config.option.keyword and not config.option.markexpr and not config.option.deselect
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    config._lightning_mp_slower = 1.0  # type: ignore[attr-defined]
+    if _whole_suite_timed(config):
+        with torch.random.fork_rng():
+            config._lightning_mp_slower = max(1.0, machine_pace() / MACHINE_PACE_S)  # type: ignore[attr-defined]
+    config._lightning_mp_started = time.monotonic()  # type: ignore[attr-defined]
+
+
+def suite_over_budget(
+    minutes: float, kind: str, load: float, cores: int, slower: float = 1.0
+) -> Optional[tuple[bool, str]]:
+    """``None`` when a whole-suite run of ``minutes`` on a CPU of ``kind`` is within its stated figure (scaled by
+    ``slower``, how much slower this machine is than that of the figures) plus a quarter; else whether it fails
+    (beyond twice the figure, on a machine not busy: ``load``, the 5-minute load average, at most 1.5 a core, and
+    more than one core) and what to say."""
+    stated = SUITE_MINUTES[kind] * slower
+    if minutes <= stated * SUITE_REPORT_OVER:
+        return None
+    scaled = f", scaled by {slower:.1f} for this machine's speed," if slower > 1.05 else ""
+    said = (
+        f"the whole suite took {minutes:.1f} min on this CPU ({kind}, {cores} cores, load average {load:.1f}): more"
+        f" than README.md's {SUITE_MINUTES[kind]} min{scaled} plus a quarter ({stated * SUITE_REPORT_OVER:.1f} min)"
+    )
+    update = "measure the suite on 2 quiet cores and update SUITE_MINUTES (tests/conftest.py), README.md and" \
+        " docs/development.md"
+    limit = stated * SUITE_FAIL_OVER
+    if minutes <= limit:
+        return False, f"{said}; reported, not failed (a run fails beyond twice the figure, {limit:.1f} min): {update}."
+    if load > SUITE_BUSY_LOAD_PER_CORE * cores:
+        return False, f"{said}, and beyond twice it; not failed: the machine is busy with other work."
+    if cores < 2:
+        return False, f"{said}, and beyond twice it; not failed: the figure is for 2 cores, this machine has 1."
+    return True, f"{said}, and beyond twice it ({limit:.1f} min): make the slow tests faster, or {update}."
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if not _whole_suite_timed(config) or exitstatus != 0:
+        return
+    kind = "native bf16" if REAL_CPU_CAPABILITY().bf16 else "no native bf16"
+    minutes = (time.monotonic() - config._lightning_mp_started) / 60  # type: ignore[attr-defined]
+    slower = config._lightning_mp_slower  # type: ignore[attr-defined]
+    verdict = suite_over_budget(minutes, kind, os.getloadavg()[1], os.cpu_count() or 1, slower)
+    if verdict is None:
+        return
+    fails, said = verdict
+    reporter = config.pluginmanager.getplugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(said, red=fails, yellow=not fails)
+    if fails:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -71,3 +71,38 @@ def test_the_api_reference_covers_every_export():
     page = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
     documented = set(re.findall(r"^::: lightning_mp\.(\w+)\s*$", page, re.MULTILINE))
     assert documented >= set(lightning_mp.__all__), sorted(set(lightning_mp.__all__) - documented)
+
+
+def test_the_readme_states_the_suites_time_its_budget_holds():
+    """README.md's `make test` times are the budget `make test` enforces (tests/conftest.py: SUITE_MINUTES), and
+    docs/development.md says the same."""
+    from conftest import SUITE_MINUTES
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    row = re.search(r"^\| `make test` \| ([\d.]+) min \| ([\d.]+) min \|$", readme, re.MULTILINE)
+    assert row, "README.md's table of times has a `make test` row"
+    assert (float(row[1]), float(row[2])) == (SUITE_MINUTES["native bf16"], SUITE_MINUTES["no native bf16"])
+    development = " ".join((ROOT / "docs" / "development.md").read_text(encoding="utf-8").split())
+    assert f"about {SUITE_MINUTES['native bf16']} minutes" in development
+    assert f"about {SUITE_MINUTES['no native bf16']} minutes" in development
+
+
+def test_a_suite_over_its_figure_is_reported_and_fails_only_beyond_twice_it_on_a_quiet_machine():
+    from conftest import SUITE_MINUTES, suite_over_budget
+
+    native = SUITE_MINUTES["native bf16"]
+    assert suite_over_budget(native * 1.2, "native bf16", load=1.0, cores=2) is None
+    fails, said = suite_over_budget(native * 1.5, "native bf16", load=1.0, cores=2)  # reported: CI passes
+    assert not fails
+    assert said.startswith(f"the whole suite took {native * 1.5:.1f} min on this CPU (native bf16, 2 cores,")
+    assert "reported, not failed (a run fails beyond twice the figure" in said
+    fails, said = suite_over_budget(native * 2.1, "native bf16", load=1.0, cores=2)  # a gross regression
+    assert fails and "and beyond twice it" in said and "make the slow tests faster" in said
+    assert suite_over_budget(native * 2.1, "native bf16", load=5.0, cores=2)[0] is False  # busy: reported
+    assert suite_over_budget(native * 2.1, "native bf16", load=1.0, cores=1)[0] is False  # one core: reported
+    emulated = SUITE_MINUTES["no native bf16"]
+    assert suite_over_budget(emulated * 1.2, "no native bf16", load=1.0, cores=2) is None  # each kind its figure
+    # a machine 4x slower than that of the figures (its small training loop timed first): the figure scaled to it
+    assert suite_over_budget(native * 4.5, "native bf16", load=1.0, cores=2, slower=4.0) is None
+    fails, said = suite_over_budget(native * 9, "native bf16", load=1.0, cores=2, slower=4.0)
+    assert fails and f"README.md's {native} min, scaled by 4.0 for this machine's speed, plus a quarter" in said

@@ -129,13 +129,16 @@ def test_makefile_reinstalls_torch_when_torch_spec_changes(tmp_path):
         return log.read_text().splitlines()[len(before) :] if log.exists() else []
 
     first = make("TORCH_SPEC=torch==2.13.0")
-    assert first[:2] == ["-m pip install --quiet torch==2.13.0", "-m pip install --quiet -e .[test,docs]"]
-    assert first[2:] == ["-m pip install --quiet --no-deps litgpt==0.5.13 safetensors>=0.4.3 psutil==7.2.2"]
+    # pip shows what it downloads (a progress bar on a terminal), not --quiet
+    assert first[:2] == [
+        "-m pip install --progress-bar on torch==2.13.0", "-m pip install --progress-bar on -e .[test,docs]"
+    ]
+    assert first[2:] == ["-m pip install --progress-bar on --no-deps litgpt==0.5.13 safetensors>=0.4.3 psutil==7.2.2"]
     assert make("TORCH_SPEC=torch==2.13.0") == []  # nothing changed: nothing installed
-    assert make("TORCH_SPEC=torch==2.11.0")[0] == "-m pip install --quiet torch==2.11.0"
+    assert make("TORCH_SPEC=torch==2.11.0")[0] == "-m pip install --progress-bar on torch==2.11.0"
     url = "https://download.pytorch.org/whl/cpu"
     assert make("TORCH_SPEC=torch==2.11.0", f"TORCH_INDEX_URL={url}")[0] == (
-        f"-m pip install --quiet torch==2.11.0 --index-url {url}"
+        f"-m pip install --progress-bar on torch==2.11.0 --index-url {url}"
     )
     assert (venv / ".torch-spec").read_text().strip() == f"torch==2.11.0 --index-url {url}"
 
