@@ -321,13 +321,23 @@ def check_passes(monkeypatch) -> list:
     from lightning_mp.verdict import PlannedCheck
 
     calls: list = []
+    inside: list = []  # (check_grads_ runs the planned check itself: one pass, counted once)
     original = verdict.check_grads_
-    monkeypatch.setattr(verdict, "check_grads_", lambda opt, found: calls.append(1) or original(opt, found))
+
+    def check_grads_(opt, found):
+        calls.append(1)
+        inside.append(1)
+        try:
+            return original(opt, found)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(verdict, "check_grads_", check_grads_)
     planned = PlannedCheck.found_inf
 
     def found_inf(self, flag):  # the check planned once (lightning_mp.step's check-only plans)
         found = planned(self, flag)
-        if found is not None:
+        if found is not None and not inside:
             calls.append(1)
         return found
 
