@@ -98,7 +98,7 @@ class GfNet(LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        loss = F.mse_loss(self(x.to(self.inp.weight.dtype)).float(), y)
+        loss = F.mse_loss(self(x.to(self.inp.weight.dtype)).float(), y.float())  # (true-half: y came in half)
         self.losses.append(loss.item())
         return loss
 
