@@ -706,6 +706,21 @@ class MasterWeights:
 
         Returns how many.
         """
+        unseen = records.unseen
+        if unseen is not None:  # (no hook has read the records one by one: compare whole lists, in C)
+            grads = list(map(_RECORD_GRAD, records.records))
+            versions = [None if g is None else g._version for g in grads]
+            if versions == unseen[1] and all(map(operator.is_, grads, unseen[0])):
+                return 0  # nothing written since the gather
+            if all(g is g0 and g is not None for g, g0 in zip(grads, unseen[0])):  # written in place only
+                fp32_grads = list(map(_STANDIN_GRAD, records.records))
+                moved = [i for i, (v, v0) in enumerate(zip(versions, unseen[1])) if v != v0]
+                fit = [(fp32_grads[i], grads[i]) for i in moved]
+                if all(a is not None and a.shape == b.shape and a.device == b.device for a, b in fit):
+                    with torch.no_grad():
+                        torch._foreach_copy_([fp32_grads[i] for i in moved], [grads[i] for i in moved])
+                    records.unseen = (grads, versions)
+                    return len(moved)
         changed = 0
         into: list[Tensor] = []  # fp32 gradients there, of the same shape: one multi-tensor copy (clipping wrote all)
         taken: list[Tensor] = []
@@ -1067,6 +1082,8 @@ def _rekeyed(into: defaultdict, state: dict, keys: dict[int, Tensor]) -> default
 
 
 _VERSION = operator.attrgetter("_version")
+#: a record's half gradient and its stand-in's fp32 gradient
+_RECORD_GRAD, _STANDIN_GRAD = operator.attrgetter("param.grad"), operator.attrgetter("standin.grad")
 _SET_GRAD = cast(Any, Tensor.grad).__set__
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _LAYOUT = operator.attrgetter("layout")
