@@ -179,7 +179,11 @@ class CapturedStep:
         self.static_grads = [torch.empty_like(g) for g in grads]
         self.flag_in = torch.zeros((), dtype=torch.float32, device=device)
         self.flag = torch.zeros((), dtype=torch.float32, device=device)
-        one = torch.ones((), dtype=torch.float32, device=device)
+        per_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for g in self.static_grads:
+            per_dtype.setdefault(g.dtype, []).append(g)
+        numel = sum(g.numel() for g in self.static_grads)
+        checks.constant(1.0, device)  # (the check's constant made outside the graph's memory pool)
         held = [p.grad for p in self.params]
         for p, static in zip(self.params, self.static_grads):
             p.grad = static
@@ -188,12 +192,8 @@ class CapturedStep:
             torch.cuda.current_stream(device).synchronize()
             with torch.cuda.graph(graph):
                 self.flag.copy_(self.flag_in)
-                # (x * 1 is x for every float: the gradients keep their values; the flag turns 1 on inf/NaN)
-                by_dtype: dict[torch.dtype, list[Tensor]] = {}
-                for g in self.static_grads:
-                    by_dtype.setdefault(g.dtype, []).append(g)
-                for same in by_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(same, self.flag, one)
+                checks.check_tensors_(per_dtype, numel, self.flag)  # (the eager step's check, its kernels chosen alike)
+                self.flag.clamp_(max=1.0)  # (a fused kernel skips on exactly 1: the check may add to a 1 handed in)
                 if all(g.get("fused") for g in self.optimizer.param_groups):
                     self._fused_step()  # (the fused kernel skips on the flag: no conditional node needed)
                 else:

@@ -522,6 +522,26 @@ def _fused_layer_norm() -> Any:
 COMPILED_LAYER_NORM_MIN_NUMEL = 1 << 22
 #: an entry of ``FP32Guard._open``: a plain LayerNorm under autocast, which runs it in fp32 itself
 _AUTOCAST_RUNS_IT: tuple = ()
+#: :func:`_layer_norm_shortcut`'s other answer: the fp32 kernel on the 16-bit input
+_FP32_KERNEL = "fp32 kernel"
+
+
+def _layer_norm_shortcut(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    """How a plain guarded LayerNorm's call skips the fp32 region (eager, its guard live), if it can:
+    :data:`_FP32_KERNEL` outside autocast for a 16-bit input with fp32 weights (:func:`_fused_layer_norm_forward`);
+    :data:`_AUTOCAST_RUNS_IT` under autocast for an fp32 input, and on CUDA for a small 16-bit one (autocast keeps
+    an fp32 input's layer_norm fp32 and casts a 16-bit one to fp32 on CUDA, the CPU's does not: the region would
+    compute the same, and its one gain, keeping a 16-bit input for backward, is small at this size); ``None``: no
+    shortcut."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], Tensor):
+        return None
+    x = args[0]
+    if not _autocast_enabled():
+        return _FP32_KERNEL if FP32Guard._fused_fits(module, x) else None
+    small = x.numel() < COMPILED_LAYER_NORM_MIN_NUMEL
+    if x.dtype == torch.float32 or (x.dtype in _LOW and x.is_cuda and torch.is_autocast_enabled("cuda") and small):
+        return _AUTOCAST_RUNS_IT
+    return None
 
 
 class _UpcastLayerNorm(torch.autograd.Function):
@@ -615,17 +635,11 @@ def _plain_layer_norm(module: nn.Module, guard: FP32Guard, args: tuple, kwargs: 
     autocast computes it in fp32 itself), the others run the guard's pre-hook and forward hook here, around the
     forward. No Python runs in backward, and none around the forward but this function. Other pre-hooks of the
     module see its input as it comes (the fp32 copy is made inside), as they did on the fast path before."""
-    if len(args) == 1 and not kwargs and guard.live and not _compiling():
-        x = args[0]
-        if isinstance(x, Tensor):
-            if not _autocast_enabled():
-                if guard._fused_fits(module, x):
-                    return _fused_layer_norm_forward(module, x)  # type: ignore[arg-type]
-            elif x.dtype == torch.float32 or (
-                x.dtype in _LOW and x.is_cuda and torch.is_autocast_enabled("cuda")
-                and x.numel() < COMPILED_LAYER_NORM_MIN_NUMEL
-            ):
-                return nn.LayerNorm.forward(module, x)  # type: ignore[arg-type]  # (autocast runs it in fp32)
+    shortcut = _layer_norm_shortcut(module, args, kwargs) if guard.live and not _compiling() else None
+    if shortcut is _FP32_KERNEL:
+        return _fused_layer_norm_forward(module, args[0])  # type: ignore[arg-type]
+    if shortcut is _AUTOCAST_RUNS_IT:
+        return nn.LayerNorm.forward(module, args[0])  # type: ignore[arg-type]  # (autocast runs it in fp32)
     prepared = guard.before(module, args, kwargs)
     if prepared is not None:
         args, kwargs = prepared
@@ -903,21 +917,11 @@ class FP32Guard:
         default = torch.get_default_dtype()  # the model's compute dtype (before the fp32 region makes it fp32)
         if _compiling():
             return self._before_compiling(args, kwargs, default)
-        if self.fused_layer_norm and len(args) == 1 and not kwargs and isinstance(args[0], Tensor):
-            x = args[0]
-            if _autocast_enabled():
-                if x.dtype == torch.float32 or (
-                    x.dtype in _LOW and x.is_cuda and torch.is_autocast_enabled("cuda")
-                    and x.numel() < COMPILED_LAYER_NORM_MIN_NUMEL
-                ):
-                    # autocast keeps an fp32 input's layer_norm fp32, and on CUDA runs a 16-bit one in fp32 too
-                    # (input cast to fp32, fp32 out; the CPU's autocast does not): the region would compute the
-                    # same, and its one gain, keeping a 16-bit input for backward, is small at this size
-                    self._open.append(_AUTOCAST_RUNS_IT)
-                    return None
-            elif self._fused_fits(module, x):
-                self._open.append(None)  # the module's forward runs the fp32 kernel on the 16-bit input
-                return None
+        # (a guard pickled with hooks, before a plain LayerNorm's guard had none: the same shortcuts)
+        shortcut = _layer_norm_shortcut(module, args, kwargs) if self.fused_layer_norm else None
+        if shortcut is not None:
+            self._open.append(None if shortcut is _FP32_KERNEL else _AUTOCAST_RUNS_IT)
+            return None
         low: list[torch.dtype] = []
         upcasts: dict[int, tuple[Tensor, int, Tensor, int]] = {}  # id(fp32 copy) -> (copy, version, original, version)
         saving = _saving_for_backward()  # inference tensors (inference mode) have no version counter

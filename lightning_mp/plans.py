@@ -149,13 +149,12 @@ class Plan(Protocol):
 class CheckOnlyPlan:
     """One process in a check-only mode (fp32, tf32, bf16) with fp32 weights, no spike guard, FP8 or large-model early
     check: stages 1–7 with nothing to gather, unscale, reduce or join. The read-only check is planned from the
-    parameters; its verdict is the host's one answer (``fused=False``), or, for a fused optimizer that skips on the
-    device, its ``found_inf`` (no host sync)."""
+    parameters (:func:`lightning_mp.verdict.check_grads_`); its verdict is the host's one answer (``fused=False``),
+    or, for a fused optimizer that skips on the device, its ``found_inf`` (no host sync)."""
 
     def __init__(self, steps: Steps, state: OptimizerState, scaler: StepGuard, fused: bool) -> None:
         self.kind = _CHECK_ONLY_FUSED if fused else _CHECK_ONLY
         self.steps, self.state, self.scaler, self.flags = steps, state, scaler, steps.flags
-        self.check = checks.PlannedCheck.of(state.optimizer)  # (``None``: the general check)
         if fused:
             self._step = self._step_fused  # type: ignore[method-assign]  # (chosen once: no branch a step)
         else:
@@ -181,12 +180,8 @@ class CheckOnlyPlan:
         """Stage 6, after the hooks and clipping: the planned check, unless clipping's norm gave the verdict."""
         state, scaler = self.state, self.scaler
         if scaler.verdicts.stage(optimizer) is OptState.READY:
-            flag = self.flags.take(scaler.scale_device)  # (zeroed 64 at a time: no allocation a step)
-            check = self.check
-            if check is not None and check.count != checks.PlannedCheck.count_of(optimizer):  # add_param_group
-                check = self.check = checks.PlannedCheck.of(optimizer)
-            found = check.found_inf(flag) if check is not None else None
-            return checks.check_grads_(optimizer, flag) if found is None else found
+            # (the check planned once from the parameters, again after add_param_group: verdict.check_grads_)
+            return checks.check_grads_(optimizer, self.flags.take(scaler.scale_device))  # (flags zeroed 64 at a time)
         if state.dirty:  # a configure_gradient_clipping override wrote after the norm was taken
             self.steps.check(optimizer, state)
         return scaler.verdicts.found(optimizer)

@@ -213,20 +213,20 @@ _NONE = type(None)
 class PlannedCheck:
     """The read-only inf/NaN check of one optimizer's gradients, planned from its parameters once.
 
-    Where every parameter is a plain dense tensor on one device in one dtype (the common case), what the check
-    needs to know (the device, the dtype, the kernel for their size) is found here, not on every step; the step
-    then lists the gradients and runs one fused kernel. ``None`` from :meth:`of`: the general
-    :func:`check_grads_` applies (several devices or dtypes, sharded or complex parameters).
-    The plan is kept while the optimizer's parameter count is unchanged (``add_param_group`` makes a new one).
+    Where every parameter is a plain dense tensor on one device (the common case: one dtype; true-half weights
+    beside a guard's fp32 ones: one check a dtype), what the check needs to know (the device, the dtypes, the kernel
+    for their size) is found here, not on every step; the step then lists the gradients and runs one fused kernel.
+    ``None`` from :meth:`of`: the general :func:`check_grads_` applies (several devices, sharded or complex
+    parameters). :func:`check_grads_` keeps the plan while the param groups hold the same parameters.
     """
 
-    __slots__ = ("params", "dtype", "numel", "count", "one", "groups")
+    __slots__ = ("params", "dtype", "numel", "one", "groups")
 
     def __init__(
-        self, params: list[torch.Tensor], dtype: torch.dtype, numel: int, count: int,
+        self, params: list[torch.Tensor], dtype: torch.dtype, numel: int,
         groups: Optional[list[tuple[torch.dtype, list[torch.Tensor]]]] = None,
     ) -> None:
-        self.params, self.dtype, self.numel, self.count = params, dtype, numel, count
+        self.params, self.dtype, self.numel = params, dtype, numel
         #: parameters of several dtypes on the one device (true-half weights beside a guard's fp32 ones): per dtype
         self.groups = groups
         device = params[0].device
@@ -240,8 +240,8 @@ class PlannedCheck:
 
     @classmethod
     def of(cls, optimizer: torch.optim.Optimizer) -> Optional["PlannedCheck"]:
-        every = [p for group in optimizer.param_groups for p in group["params"]]
-        params = [p for p in every if p.numel()]  # an empty tensor holds nothing to check
+        # (an empty tensor holds nothing to check)
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.numel()]
         if not params:
             return None
         device, dtype = params[0].device, params[0].dtype
@@ -252,7 +252,7 @@ class PlannedCheck:
                 return None
             groups.setdefault(p.dtype, []).append(p)
         several = list(groups.items()) if len(groups) > 1 else None
-        return cls(params, dtype, sum(p.numel() for p in params), len(every), several)
+        return cls(params, dtype, sum(p.numel() for p in params), several)
 
     def found_inf(self, flag: torch.Tensor) -> Optional[dict[torch.device, torch.Tensor]]:
         """Set ``flag`` where a gradient is inf/NaN; ``None`` where a gradient is not what the plan expected (a sparse
