@@ -1587,38 +1587,40 @@ def _no_tie_(param: Tensor, comp: Tensor) -> None:
     comp.copy_(torch.where(back.ne(param), torch.nextafter(comp, torch.zeros_like(comp)), comp))
 
 
-class StochasticRounding(MasterWeights):
-    """Half weights only; each updated weight is rounded to half precision stochastically."""
-
-    kind = "stochastic"
+class NoiseGenerators:
+    """The stochastic-rounding noise's generators, one a device, seeded with ``seed`` (alike on every rank, so
+    data-parallel replicas round alike) and saved in checkpoints. A step a fused optimizer may have skipped on the
+    device (:meth:`before_noise` with its flag) is rewound once its verdict reaches the host (:meth:`settle`: at the
+    next step, or a save). Used by the stochastic-rounding master weights and by ``optimizer_states="bf16"``."""
 
     def __init__(self, seed: int = STOCHASTIC_ROUNDING_SEED) -> None:
-        super().__init__()
         self.seed = seed
         self._generators: dict[str, torch.Generator] = {}
-        # a step a fused optimizer may have skipped on the device: the generators' states before its noise was
-        # drawn, and its verdict on its way to the host; rewound once the verdict is read (next step, or a save)
+        # the generators' states before the noise of a step that may have been skipped, and its verdict on the way
         self._pending: Optional[dict[str, Tensor]] = None
         self._verdict = HostCopy()
 
+    def __getstate__(self) -> dict[str, Any]:  # (pickled mid-fit: a verdict on its way is not)
+        state = dict(self.__dict__)
+        state["_verdict"], state["_pending"] = HostCopy(), None
+        return state
+
     def generator(self, device: torch.device) -> torch.Generator:
-        """The rounding noise's generator on ``device`` (seeded with ``seed``; saved in checkpoints)."""
+        """The noise's generator on ``device``."""
         key = str(device)
         if key not in self._generators:
             self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[key]
 
-    def _write(self, records: list[StepRecord], skip_flag: Optional[Tensor]) -> None:
-        self._settle()
-        if skip_flag is not None:
-            # skipped on the device: the stand-in still holds the old weight exactly, which rounds to itself, but
-            # the noise drawn for it must not count: rewind the generators once the verdict reaches the host
-            self._pending = {k: g.get_state() for k, g in self._generators.items()}
-            self._verdict.start(skip_flag.reshape(()).ne(0))
-        for r in records:
-            r.param.copy_(stochastic_round(r.standin.detach(), r.param.dtype, self.generator(r.param.device)))
+    def before_noise(self, found_inf: Optional[Tensor]) -> None:
+        """Noise is about to be drawn for a step skipped on the device where ``found_inf`` is non-zero (``None``: a
+        step the host knows was taken): remember the generators, to rewind them if it was skipped."""
+        self.settle()
+        if found_inf is not None:
+            self._pending = {key: g.get_state() for key, g in self._generators.items()}
+            self._verdict.start(found_inf.reshape(()).ne(0))
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Rewind the generators past a step that turned out to be skipped on the device."""
         states, self._pending = self._pending, None
         if states is None or not self._verdict.value():
@@ -1630,23 +1632,56 @@ class StochasticRounding(MasterWeights):
                 del self._generators[key]  # created by the skipped step: starts afresh from the seed
 
     def state_dict(self) -> dict[str, Any]:
-        self._settle()
-        state = super().state_dict()
-        state["seed"] = self.seed
-        state["generators"] = {key: g.get_state() for key, g in self._generators.items()}
-        return state
+        """The seed and the generators' states (plain tensors)."""
+        self.settle()
+        return {"seed": self.seed, "generators": {key: g.get_state() for key, g in self._generators.items()}}
 
-    def _load_own(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], corrupted: str) -> None:
+        """Take a checkpoint's seed and generators' states (``corrupted``: the error's message when ``generators`` is
+        not a dict); a CUDA generator's state is left where there is no CUDA."""
         self._pending = None
         generators = state.get("generators", {})
         if not isinstance(generators, dict):
-            raise ValueError("master-weights state: 'generators' is not a dict: it is corrupted.")
+            raise ValueError(corrupted)
         self.seed = int(state.get("seed", self.seed))
         for key, gen_state in generators.items():
             device = torch.device(key)
             if device.type == "cuda" and not torch.cuda.is_available():
                 continue
             self.generator(device).set_state(gen_state)
+
+
+class StochasticRounding(MasterWeights):
+    """Half weights only; each updated weight is rounded to half precision stochastically."""
+
+    kind = "stochastic"
+
+    def __init__(self, seed: int = STOCHASTIC_ROUNDING_SEED) -> None:
+        super().__init__()
+        self.noise = NoiseGenerators(seed)
+
+    @property
+    def seed(self) -> int:
+        return self.noise.seed
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """The rounding noise's generator on ``device`` (seeded with ``seed``; saved in checkpoints)."""
+        return self.noise.generator(device)
+
+    def _write(self, records: list[StepRecord], skip_flag: Optional[Tensor]) -> None:
+        # skipped on the device: the stand-in still holds the old weight exactly, which rounds to itself, but the
+        # noise drawn for it must not count: rewound once the verdict reaches the host
+        self.noise.before_noise(skip_flag)
+        for r in records:
+            r.param.copy_(stochastic_round(r.standin.detach(), r.param.dtype, self.generator(r.param.device)))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.update(self.noise.state_dict())
+        return state
+
+    def _load_own(self, state: dict[str, Any]) -> None:
+        self.noise.load_state_dict(state, "master-weights state: 'generators' is not a dict: it is corrupted.")
         for entry in self._entries.values():
             entry.stamp = stamp(entry.param)
 

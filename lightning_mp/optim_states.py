@@ -40,8 +40,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mp._host import HostCopy
-from lightning_mp.master import STOCHASTIC_ROUNDING_SEED, stochastic_round, wrapped_optimizers
+from lightning_mp.master import STOCHASTIC_ROUNDING_SEED, NoiseGenerators, stochastic_round, wrapped_optimizers
 from lightning_mp.settings import OPTIMIZER_STATE_DTYPES
 
 #: the per-parameter state entries held in the chosen dtype: Adam's and AdamW's moments
@@ -113,13 +112,9 @@ class OptimizerStates:
         self.name = name
         #: the dtype the moments are held in between steps (``None``: as the optimizer keeps them)
         self.dtype: Optional[torch.dtype] = OPTIMIZER_STATE_DTYPES[name]
-        self.seed = seed
-        self._generators: dict[str, torch.Generator] = {}
+        #: the rounding noise: seeded alike on every rank, so data-parallel replicas round alike; saved in checkpoints
+        self.noise = NoiseGenerators(seed)
         self._held: weakref.WeakKeyDictionary[Optimizer, _Held] = weakref.WeakKeyDictionary()
-        # a step a fused optimizer may have skipped on the device: the generators' states before its noise, and its
-        # verdict on the way to the host; rewound once the verdict is read (at the next step, or a save)
-        self._pending: Optional[dict[str, Tensor]] = None
-        self._verdict = HostCopy()
 
     @property
     def active(self) -> bool:
@@ -128,7 +123,7 @@ class OptimizerStates:
 
     def __getstate__(self) -> dict[str, Any]:  # (a plugin pickles mid-fit: the hooks stay with the optimizers)
         state = dict(self.__dict__)
-        state["_held"], state["_verdict"], state["_pending"] = None, HostCopy(), None
+        state["_held"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -148,40 +143,10 @@ class OptimizerStates:
     def held_optimizers(self) -> list[Optimizer]:
         return list(self._held)
 
-    # ------------------------------------------------------------------ the rounding noise
-    def generator(self, device: torch.device) -> torch.Generator:
-        """The rounding noise's generator on ``device``: seeded alike on every rank, so data-parallel replicas round
-        alike; saved in checkpoints."""
-        key = str(device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[key]
-
-    def _before_noise(self, found_inf: Optional[Tensor]) -> None:
-        """A fused optimizer stepped with a device verdict: remember the generators, to rewind them if it skipped."""
-        if found_inf is None:
-            return
-        self._settle()
-        self._pending = {key: g.get_state() for key, g in self._generators.items()}
-        self._verdict.start(found_inf.reshape(()).ne(0))
-
-    def _settle(self) -> None:
-        """Rewind the generators past a step that turned out to be skipped on the device."""
-        states, self._pending = self._pending, None
-        if states is None or not self._verdict.value():
-            return
-        for key in list(self._generators):
-            if key in states:
-                self._generators[key].set_state(states[key])
-            else:
-                del self._generators[key]  # created by the skipped step: starts afresh from the seed
-
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps (plain tensors and strings): the dtype and the generators' states."""
-        self._settle()
-        return {"dtype": self.name, "seed": self.seed,
-                "generators": {key: g.get_state() for key, g in self._generators.items()}}  # fmt: skip
+        return {"dtype": self.name, **self.noise.state_dict()}
 
     def load_state_dict(self, state: Optional[dict[str, Any]], host: str) -> None:
         """A checkpoint's entry (``None``: written with fp32 moments, or before this setting existed). Says in one
@@ -195,16 +160,9 @@ class OptimizerStates:
             )
         if not isinstance(state, dict):
             return
-        self._pending = None
-        self.seed = int(state.get("seed", self.seed))
-        generators = state.get("generators", {})
-        if not isinstance(generators, dict):
-            raise ValueError("The checkpoint's optimizer-states entry is corrupted: 'generators' is not a dict.")
-        for key, gen_state in generators.items():
-            device = torch.device(key)
-            if device.type == "cuda" and not torch.cuda.is_available():
-                continue
-            self.generator(device).set_state(gen_state)
+        self.noise.load_state_dict(
+            state, "The checkpoint's optimizer-states entry is corrupted: 'generators' is not a dict."
+        )
 
 
     def compact_checkpoint(self, optimizer_states: Any) -> None:
@@ -270,7 +228,7 @@ class _Held:
 
     def _before_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """The moments of the parameters about to be stepped become fp32 copies (the bf16 tensors let go)."""
-        self.states._settle()
+        self.states.noise.settle()
         stepping = self._stepping = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         dtype = self.states.dtype
         for _, state, key, value in _moments((p, optimizer.state.get(p)) for p in stepping):
@@ -283,7 +241,9 @@ class _Held:
         stepping, self._stepping = self._stepping, []
         states, dtype = self.states, self.states.dtype
         assert dtype is not None  # (held only when active)
-        states._before_noise(getattr(optimizer, "found_inf", None))
+        found_inf = getattr(optimizer, "found_inf", None)
+        if found_inf is not None:  # (a fused optimizer stepped with a device verdict: its noise may not count)
+            states.noise.before_noise(found_inf)
         for _, state, key, value in _moments((p, optimizer.state.get(p)) for p in stepping):
             if value.dtype == torch.float32:
                 state[key] = _rounded(value, dtype, states)
@@ -313,11 +273,11 @@ def _rounded(value: Tensor, dtype: torch.dtype, states: OptimizerStates) -> Tens
     if _is_dtensor(value):
         shard: Any = value
         local = shard.to_local()
-        rounded = _round(local, dtype, states.generator(local.device))
+        rounded = _round(local, dtype, states.noise.generator(local.device))
         return shard.from_local(
             rounded, shard.device_mesh, shard.placements, run_check=False, shape=shard.shape, stride=shard.stride()
         )
-    return _round(value, dtype, states.generator(value.device))
+    return _round(value, dtype, states.noise.generator(value.device))
 
 
 #: moments with at least this many elements on CUDA are rounded by one compiled kernel (reads 4 bytes an element,
