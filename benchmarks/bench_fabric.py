@@ -83,7 +83,7 @@ from lightning.fabric import Fabric
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import LIGHTNING_PRECISION, mode_spec, paired_summary  # noqa: E402
+from common import LIGHTNING_PRECISION, mode_spec, package_host_time, paired_summary  # noqa: E402
 
 from lightning_mp import MPFabricPrecision  # noqa: E402
 
@@ -327,28 +327,6 @@ def callers_in_package(prof: Any, names: list[str], top: int = 3) -> dict[str, l
             parent = parent.cpu_parent
         found[event.name][where] = found[event.name].get(where, 0.0) + event.self_cpu_time_total
     return {name: sorted(w.items(), key=lambda kv: -kv[1])[:top] for name, w in found.items()}
-
-
-def package_host_time(stats: pstats.Stats, steps: int, top: int) -> None:
-    """Host time a step in lightning_mp's own Python and in the calls it makes directly (cProfile), and its
-    costliest functions."""
-    own, called = [], []
-    for (file, line, name), (_, ncalls, tottime, cumtime, callers) in stats.stats.items():  # type: ignore[attr-defined]
-        if "lightning_mp" in file:
-            own.append((tottime, cumtime, f"{file.split('lightning_mp' + os.sep, 1)[-1]}:{line}:{name}", ncalls))
-            continue
-        for (cfile, _, cname), caller in callers.items():
-            if "lightning_mp" in cfile:
-                called.append((caller[2], f"{name} from {os.path.basename(cfile)}:{cname}", caller[0]))
-    us = 1e6 / steps
-    print(f"lightning_mp's own Python: {sum(t for t, *_ in own) * us:.0f} µs a step; what it calls directly: "
-          f"{sum(t for t, *_ in called) * us:.0f} µs a step (cProfile's own cost inflates both)")
-    print("| lightning_mp function | self µs a step | cumulative µs a step | calls a step |\n|---|---|---|---|")
-    for tottime, cumtime, where, ncalls in sorted(own, reverse=True)[:top]:
-        print(f"| {where} | {tottime * us:.0f} | {cumtime * us:.0f} | {ncalls / steps:.1f} |")
-    print("| **called directly from lightning_mp** | self µs a step | | calls a step |")
-    for tottime, where, ncalls in sorted(called, reverse=True)[:top]:
-        print(f"| {where} | {tottime * us:.0f} | | {ncalls / steps:.1f} |")
 
 
 def profile(spec: str, args: argparse.Namespace) -> None:

@@ -11,6 +11,8 @@ import argparse
 import gc
 import logging
 import math
+import os
+import pstats
 import statistics
 import warnings
 from typing import Any, Callable, Optional
@@ -293,3 +295,25 @@ def paired_summary(ratios: list[float]) -> dict[str, float]:
     lo, hi = max(0, math.floor((n - half) / 2) - 1), min(n - 1, math.ceil(1 + (n + half) / 2) - 1)
     return {"ratio": statistics.median(ordered), "q1": quart[0], "q3": quart[2],
             "ci_lo": ordered[lo], "ci_hi": ordered[hi], "n": n}
+
+
+def package_host_time(stats: pstats.Stats, steps: int, top: int) -> None:
+    """Host time a step in lightning_mp's own Python and in the calls it makes directly (cProfile), and its
+    costliest functions."""
+    own, called = [], []
+    for (file, line, name), (_, ncalls, tottime, cumtime, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if "lightning_mp" in file:
+            own.append((tottime, cumtime, f"{file.split('lightning_mp' + os.sep, 1)[-1]}:{line}:{name}", ncalls))
+            continue
+        for (cfile, _, cname), caller in callers.items():
+            if "lightning_mp" in cfile:
+                called.append((caller[2], f"{name} from {os.path.basename(cfile)}:{cname}", caller[0]))
+    us = 1e6 / steps
+    print(f"lightning_mp's own Python: {sum(t for t, *_ in own) * us:.0f} µs a step; what it calls directly: "
+          f"{sum(t for t, *_ in called) * us:.0f} µs a step (cProfile's own cost inflates both)")
+    print("| lightning_mp function | self µs a step | cumulative µs a step | calls a step |\n|---|---|---|---|")
+    for tottime, cumtime, where, ncalls in sorted(own, reverse=True)[:top]:
+        print(f"| {where} | {tottime * us:.0f} | {cumtime * us:.0f} | {ncalls / steps:.1f} |")
+    print("| **called directly from lightning_mp** | self µs a step | | calls a step |")
+    for tottime, where, ncalls in sorted(called, reverse=True)[:top]:
+        print(f"| {where} | {tottime * us:.0f} | | {ncalls / steps:.1f} |")

@@ -112,7 +112,7 @@ from torch.utils.benchmark.utils.common import Measurement, TaskSpec
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import small_batches, small_model  # noqa: E402
+from common import package_host_time, small_batches, small_model  # noqa: E402
 
 from lightning_mp import MPPlugin  # noqa: E402
 from lightning_mp import master as _master  # noqa: E402
@@ -725,21 +725,7 @@ def cmd_kernels(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------------------------- cprofile
 def attribute(stats: pstats.Stats, steps: int) -> None:
     """Host time per step spent in lightning_mp's own code, and in torch calls made directly from it."""
-    own, called = [], []
-    for (file, line, name), (_, ncalls, tottime, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
-        if "lightning_mp" in file:
-            own.append((tottime, f"{os.path.basename(file)}:{line}:{name}", ncalls))
-            continue
-        for (cfile, _, cname), caller in callers.items():
-            if "lightning_mp" in cfile:
-                called.append((caller[2], f"{name} from {os.path.basename(cfile)}:{cname}", caller[0]))
-    us = 1e6 / steps
-    print(f"lightning_mp's own Python: {sum(t for t, *_ in own) * us:.1f} us a step; what it calls directly: "
-          f"{sum(t for t, *_ in called) * us:.1f} us a step")
-    for tottime, where, ncalls in (
-        sorted(own, reverse=True)[:15] + [(0, "-- direct calls:", 0)] + sorted(called, reverse=True)[:15]
-    ):
-        print(f"  {tottime * us:8.1f} us  {where}  x{ncalls / steps:.1f}")
+    package_host_time(stats, steps, top=15)
 
 
 def cmd_cprofile(args: argparse.Namespace, p: argparse.ArgumentParser) -> None:
