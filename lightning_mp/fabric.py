@@ -346,9 +346,22 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
                              self._states)
         if self._pending is not None and self._pending[1] is not None:  # loaded, not applied yet (no model yet)
             state["master_weights"] = self._pending[1]
-        elif state.get("master_weights") is None:
-            state["master_weights"] = self._originals()
+        else:
+            state["master_weights"] = self._with_originals(state.get("master_weights"))
         return state
+
+    def _with_originals(self, saved: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        """``saved`` (the master weights' entry) with the exact fp32 values of the parameters that have no master yet
+        (their optimizer has not stepped: a checkpoint right after ``fabric.setup``, a loop that gave its first
+        steps up, a second optimizer not stepped yet), so that the resume starts from them as the run would."""
+        originals = self._originals()  # (only parameters without a master keep their fp32 original)
+        if originals is None:
+            return saved
+        if saved is None or self.masters is None or not self.masters.named_params():
+            return originals
+        if saved.get("kind") == "fp32" and isinstance(saved.get("masters"), dict):
+            return {**saved, "masters": {**originals["masters"], **saved["masters"]}}
+        return saved  # (Kahan and stochastic entries keep no fp32 values to add to)
 
     def _originals(self) -> Optional[dict[str, Any]]:
         """Before the first step (no master weights made yet): the exact fp32 values the cast to half replaced, as
