@@ -12,6 +12,7 @@ import torch
 from conftest import CPUFSDPStrategy, ForkModelParallel, TinyRegressor, make_trainer
 from lightning.pytorch import Callback
 from torch.distributed.fsdp import FullyShardedDataParallel
+from torch.multiprocessing.spawn import ProcessExitedException
 
 from lightning_mp import MPPlugin
 
@@ -119,9 +120,18 @@ def test_under_ddp_spawn_the_figures_come_back_through_callback_metrics(tmp_path
 
     from lightning_mp import PrecisionMonitor
 
-    plugin = MPPlugin("bf16", spike_sigma=6.0, spike_window=WINDOW)
-    trainer = make_trainer(plugin, STEPS, [PrecisionMonitor(log_every_n_steps=1)], devices=2, strategy="ddp_spawn",
-                           logger=CSVLogger(tmp_path))  # fmt: skip
-    trainer.fit(OneRankSpike())
+    for attempt in (1, 2):
+        plugin = MPPlugin("bf16", spike_sigma=6.0, spike_window=WINDOW)
+        trainer = make_trainer(plugin, STEPS, [PrecisionMonitor(log_every_n_steps=1)], devices=2,
+                               strategy="ddp_spawn", logger=CSVLogger(tmp_path / str(attempt)))  # fmt: skip
+        try:
+            trainer.fit(OneRankSpike())
+            break
+        except ProcessExitedException as err:
+            # A spawned child sometimes aborts in C++ static destruction after the interpreter has finished
+            # ("terminate called without an active exception", no Python frame): torch's gloo teardown, about once in
+            # 10-40 runs on a 2-core CPU with Lightning's own bf16-mixed plugin as well. Once is tolerated, not twice.
+            if attempt == 2 or err.signal_name != "SIGABRT":
+                raise
     assert trainer.callback_metrics["precision/spike_skips"] == 1
     assert trainer.callback_metrics["precision/skipped_steps"] == 1
