@@ -18,7 +18,13 @@ Modes (``--modes``, default all): ``fp32``, ``tf32``, ``bf16``, ``fp16``, ``bf16
 ``fp8`` (bf16 weights with fp32 masters, delayed scaling: the defaults), ``fp8:bf16-weights`` (bf16 weights without
 masters), ``fp8:fp32-weights``, ``fp8:current`` (current scaling), ``fp8:torchao-tensorwise``,
 ``fp8:torchao-rowwise`` and ``fp8:torchao-rowwise-gw-hp`` (the torchao backend; the last is torchao's
-``rowwise_with_gw_hp``: rowwise, with the weight gradient's GEMM in high precision). Every fp8 mode passes
+``rowwise_with_gw_hp``: rowwise, with the weight gradient's GEMM in high precision). Adam's moments in bf16
+(``optimizer_states="bf16"``, stochastic rounding: :mod:`lightning_mp.optim_states`), spelt as
+``python -m lightning_mp compare`` spells it, the option ``bf16-states`` (joined to another option by ``+``):
+``bf16:bf16-states``, ``bf16-true:bf16-states`` (fp32 masters) and ``fp8:bf16-states`` (the fp8 defaults), each its
+counterpart's plugin arguments with ``optimizer_states="bf16"`` added and nothing else. There is no masterless one:
+MPPlugin refuses ``optimizer_states="bf16"`` with ``master_weights="none"``, where torch's AdamW keeps the moments
+in the weights' dtype already (bf16, rounded to nearest): ``bf16-true:none`` is that case. Every fp8 mode passes
 ``fp8={"size_rule": "off"}``: at width 512 the default size rule would keep every layer out of FP8, and the
 benchmark is meant to measure FP8 (the output layer stays in bf16, ``keep_last=1``; validation runs in bf16, the
 plugin's default). A mode the machine cannot run is recorded as ``unsupported`` with the reason: fp8 without an
@@ -114,13 +120,16 @@ MODES: dict[str, tuple[str, dict[str, Any]]] = {
     "fp32": ("fp32", {}),
     "tf32": ("tf32", {}),
     "bf16": ("bf16", {}),
+    "bf16:bf16-states": ("bf16", {"optimizer_states": "bf16"}),
     "fp16": ("fp16", {}),
     "bf16-true": ("bf16-true", {"master_weights": "fp32"}),
+    "bf16-true:bf16-states": ("bf16-true", {"master_weights": "fp32", "optimizer_states": "bf16"}),
     "bf16-true:kahan": ("bf16-true", {"master_weights": "kahan"}),
     "bf16-true:stochastic": ("bf16-true", {"master_weights": "stochastic"}),
     "bf16-true:none": ("bf16-true", {"master_weights": "none"}),
     "fp16-true": ("fp16-true", {}),
     "fp8": ("fp8", {"fp8": dict(_FP8)}),  # (bf16 weights, fp32 masters, delayed scaling: the defaults)
+    "fp8:bf16-states": ("fp8", {"fp8": dict(_FP8), "optimizer_states": "bf16"}),
     "fp8:bf16-weights": ("fp8", {"fp8": {**_FP8, "weights": "bf16"}, "master_weights": "none"}),
     "fp8:fp32-weights": ("fp8", {"fp8": {**_FP8, "weights": "fp32"}}),
     "fp8:current": ("fp8", {"fp8": {**_FP8, "recipe": "current"}}),

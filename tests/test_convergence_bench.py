@@ -111,3 +111,24 @@ def test_the_same_seed_gives_the_same_fp32_curves(bench, first, tmp_path):
     again, before = _run(tmp_path, "fp32", 0), _run(out, "fp32", 0)
     assert again["val"] == before["val"] and again["train"] == before["train"]
     assert _run(out, "fp32", 1)["val"] != before["val"]  # another seed: other weights and batches
+
+
+#: the modes with Adam's moments in bf16 and the mode each differs from by ``optimizer_states="bf16"`` alone
+BF16_STATES = {"bf16:bf16-states": "bf16", "bf16-true:bf16-states": "bf16-true", "fp8:bf16-states": "fp8"}
+
+
+def test_the_bf16_state_modes_parse_and_add_only_optimizer_states(bench):
+    from lightning_mp.tools.compare_stats import mode_states
+
+    args = bench.parse_args(TINY + ["--modes", ",".join(BF16_STATES)])
+    assert args.modes.split(",") == list(BF16_STATES)
+    for mode, counterpart in BF16_STATES.items():
+        precision, kwargs = bench.MODES[mode]
+        assert (precision, kwargs) == (bench.MODES[counterpart][0],
+                                       {**bench.MODES[counterpart][1], "optimizer_states": "bf16"})
+        assert mode_states(mode) == "bf16" and mode_states(counterpart) == "fp32"  # as ``compare`` reads the name
+        if precision != "fp8":
+            assert "optimizer_states='bf16'" in repr(bench.MPPlugin(precision, **kwargs))
+            assert "optimizer_states" not in repr(bench.MPPlugin(precision, **bench.MODES[counterpart][1]))
+    assert "fp8" in bench.unsupported_reason("fp8:bf16-states", "cpu")  # recorded unsupported, as fp8 is on a CPU
+    assert bench.run_path(Path("out"), "bf16-true:bf16-states", 2).name == "bf16-true_bf16-states__seed2.json"
