@@ -37,7 +37,7 @@ import lightning_mp.distributed as distributed
 from lightning_mp.checkpoint import _load_master_weights, load_plugin_state, normalise, plugin_state
 from lightning_mp.guards import guard_for_run
 from lightning_mp.host import LoopHost
-from lightning_mp.master import fp32_original
+from lightning_mp.master import _FP32_ORIGINALS, fp32_original, stamp
 from lightning_mp.modes import MODES, PrecisionMode, running_mode
 from lightning_mp.nonfinite import NonfiniteGuard
 from lightning_mp.options import announce
@@ -46,6 +46,8 @@ from lightning_mp.settings import MasterKind, MPSettings
 from lightning_mp.step import OptimizerSteps
 from lightning_mp.surface import PrecisionRun
 from lightning_mp.true_half import cast_weights_
+
+_HALF = (torch.bfloat16, torch.float16)
 
 
 # (precision and the others are read-only views here of attributes Lightning's bases declare writable). Fabric's
@@ -103,6 +105,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         mode = self._run.mode
         if mode is not None and mode.true_half:
             self._guard(module, device_type=None)
+        self._follow_loads(module)
         if mode is not None and mode.fp8:
             self._run.convert_fp8(module, torch.device(self._run.device))  # (raises where FP8 cannot run)
         if self._steps is not None:  # a model set up after training started (a teacher, a second model)
@@ -130,6 +133,42 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         self._patches.add(f"FP32 guards on {len(guarded)} modules of {type(module).__name__}", unguard)
         self._patches.add(f"fp32 weights of the guarded modules of {type(module).__name__}",
                           cast_weights_(module, self.mode, guarded))  # fmt: skip
+
+    def _follow_loads(self, module: nn.Module) -> None:
+        """A state dict loaded into the set-up model (``fabric.load_raw(path, model)``, ``model.load_state_dict``)
+        with fp32 values of half weights: the master weights take those values exactly, as they would from the same
+        weights set up fresh (the half weights hold them rounded). Where no master is made yet, the one made at the
+        first step starts from them."""
+        loaded: list[tuple[Tensor, Tensor]] = []
+
+        def before(mod: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
+            kind = MasterKind.of(self.master_weights)
+            if kind is None or not kind.ours:
+                return
+            for name, param in mod.named_parameters():
+                value = state_dict.get(prefix + name)
+                if (isinstance(value, Tensor) and value.is_floating_point() and param.dtype in _HALF
+                        and value.dtype.itemsize > param.dtype.itemsize and value.shape == param.shape):
+                    loaded.append((param, value))
+
+        def after(mod: nn.Module, incompatible: Any) -> None:
+            taken, loaded[:] = list(loaded), []
+            masters = self.masters
+            names = {} if masters is None else {id(p): n for n, p in masters.named_params().items()}
+            with torch.no_grad():
+                for param, value in taken:
+                    value = value.detach().to(param.device, torch.float32)
+                    if not bool(value.to(param.dtype).eq(param).all()):
+                        continue  # (not written by this load)
+                    if id(param) in names:
+                        cast(Any, masters).load_fp32_values({names[id(param)]: value})
+                    else:
+                        _FP32_ORIGINALS[param] = (value, stamp(param))  # (the master made at the first step)
+
+        pre = module.register_load_state_dict_pre_hook(before)
+        post = module.register_load_state_dict_post_hook(after)
+        self._patches.add(f"fp32 values of state dicts loaded into {type(module).__name__}",
+                          lambda: (pre.remove(), post.remove()))  # fmt: skip
 
     def _connected(self, optimizers: Sequence[Optimizer] = ()) -> OptimizerSteps:
         """The run's step, set up at the first contact after ``fabric.setup``, on the parameters' device, with the
@@ -219,10 +258,11 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
 
     @override
     def tensor_init_context(self) -> Any:
-        """``fabric.init_tensor()``: in a true-half mode without master weights (``master_weights="none"``, the
-        layout of Fabric's ``HalfPrecision``) tensors are made in the half dtype, as there; elsewhere fp32."""
+        """``fabric.init_tensor()``: in true-half modes tensors are made in the half dtype, as by Fabric's
+        ``HalfPrecision`` (caches, masks, inputs: what computes with the half weights), master weights or not;
+        elsewhere fp32."""
         mode = self._run.mode
-        if mode is not None and mode.true_half and self.master_weights == "none":
+        if mode is not None and mode.true_half:
             assert mode.param_dtype is not None  # (true-half: a half param_dtype)
             return _DtypeContextManager(mode.param_dtype)
         return contextlib.nullcontext()
@@ -233,7 +273,9 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         as Fabric's ``HalfPrecision`` makes them (half the memory at creation; ``fabric.setup`` then keeps the
         FP32-guarded modules fp32, from those values). With master weights (the default of true-half modes) and in
         the other modes they are made fp32: the masters start from the exact fp32 values."""
-        return self.tensor_init_context()
+        if self.master_weights == "none":
+            return self.tensor_init_context()
+        return contextlib.nullcontext()
 
     def _foreign_scaler(self) -> Optional[Any]:
         """The loss scaler in use where it is not lightning_mp's: a stand-in with ``GradScaler``'s methods (a test
