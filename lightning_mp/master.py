@@ -1644,6 +1644,8 @@ class NoiseGenerators:
         if not isinstance(generators, dict):
             raise ValueError(corrupted)
         self.seed = int(state.get("seed", self.seed))
+        for key in set(self._generators) - set(generators):  # (none saved yet: the noise starts afresh from the seed)
+            del self._generators[key]
         for key, gen_state in generators.items():
             device = torch.device(key)
             if device.type == "cuda" and not torch.cuda.is_available():
