@@ -117,7 +117,8 @@ class MasterWeightsSetup:
         masters.name_parameters(model)
         for opt in optimizers:
             masters.attach(opt)
-        masters.forget_others(p for opt in optimizers for g in opt.param_groups for p in g["params"])
+        if optimizers:  # (validate/test/predict connect no optimizer: the masters of the trained model are kept)
+            masters.forget_others(p for opt in optimizers for g in opt.param_groups for p in g["params"])
         if isinstance(masters, FP32MasterWeights) and world_size() > 1:
             masters.broadcast_(src=0)  # ranks initialised differently: rank 0's weights, as DDP's, in fp32
         return masters
