@@ -20,6 +20,7 @@ after each step): the loss scale moves and the buffer snapshot goes after it. Fa
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, cast
 
@@ -92,6 +93,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         #: a loaded checkpoint's (mode, master weights), applied at the next step: once fabric.load has loaded the
         #: model whatever the order of its state dict, and the optimizers are known
         self._pending: Optional[tuple[Any, Any]] = None
+        self._loads: list[tuple[Tensor, Tensor]] = []  # fp32 values of half weights a state dict is loading
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -139,36 +141,34 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         with fp32 values of half weights: the master weights take those values exactly, as they would from the same
         weights set up fresh (the half weights hold them rounded). Where no master is made yet, the one made at the
         first step starts from them."""
-        loaded: list[tuple[Tensor, Tensor]] = []
-
-        def before(mod: nn.Module, state_dict: Any, prefix: str, *args: Any) -> None:
-            kind = MasterKind.of(self.master_weights)
-            if kind is None or not kind.ours:
-                return
-            for name, param in mod.named_parameters():
-                value = state_dict.get(prefix + name)
-                if (isinstance(value, Tensor) and value.is_floating_point() and param.dtype in _HALF
-                        and value.dtype.itemsize > param.dtype.itemsize and value.shape == param.shape):
-                    loaded.append((param, value))
-
-        def after(mod: nn.Module, incompatible: Any) -> None:
-            taken, loaded[:] = list(loaded), []
-            masters = self.masters
-            names = {} if masters is None else {id(p): n for n, p in masters.named_params().items()}
-            with torch.no_grad():
-                for param, value in taken:
-                    value = value.detach().to(param.device, torch.float32)
-                    if not bool(value.to(param.dtype).eq(param).all()):
-                        continue  # (not written by this load)
-                    if id(param) in names:
-                        cast(Any, masters).load_fp32_values({names[id(param)]: value})
-                    else:
-                        _FP32_ORIGINALS[param] = (value, stamp(param))  # (the master made at the first step)
-
-        pre = module.register_load_state_dict_pre_hook(before)
-        post = module.register_load_state_dict_post_hook(after)
+        pre = module.register_load_state_dict_pre_hook(_LoadHook(self, after=False))
+        post = module.register_load_state_dict_post_hook(_LoadHook(self, after=True))
         self._patches.add(f"fp32 values of state dicts loaded into {type(module).__name__}",
                           lambda: (pre.remove(), post.remove()))  # fmt: skip
+
+    def _loading(self, module: nn.Module, state_dict: Any, prefix: str) -> None:
+        kind = MasterKind.of(self.master_weights)
+        if kind is None or not kind.ours:
+            return
+        for name, param in module.named_parameters():
+            value = state_dict.get(prefix + name)
+            if (isinstance(value, Tensor) and value.is_floating_point() and param.dtype in _HALF
+                    and value.dtype.itemsize > param.dtype.itemsize and value.shape == param.shape):
+                self._loads.append((param, value))
+
+    def _loaded(self) -> None:
+        taken, self._loads = self._loads, []
+        masters = self.masters
+        names = {} if masters is None else {id(p): n for n, p in masters.named_params().items()}
+        with torch.no_grad():
+            for param, value in taken:
+                value = value.detach().to(param.device, torch.float32)
+                if not bool(value.to(param.dtype).eq(param).all()):
+                    continue  # (not written by this load)
+                if masters is not None and id(param) in names:
+                    masters.load_fp32_values({names[id(param)]: value})
+                else:
+                    _FP32_ORIGINALS[param] = (value, stamp(param))  # (the master made at the first step)
 
     def _connected(self, optimizers: Sequence[Optimizer] = ()) -> OptimizerSteps:
         """The run's step, set up at the first contact after ``fabric.setup``, on the parameters' device, with the
@@ -215,6 +215,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         if any(opt is optimizer for opt in self._optimizers):
             return
         _check_optimizer(optimizer)
+        self._warn_state_cast(optimizer)
         self._optimizers.append(optimizer)
         masters = self._weights.connect(self.active_mode, self._container, self._optimizers, fsdp=False,
                                         device=self._device)  # fmt: skip
@@ -227,6 +228,23 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
             )
         self._hold_states([optimizer])
         steps.buffers.forget_plan()
+
+    def _warn_state_cast(self, optimizer: Optimizer) -> None:
+        """An optimizer that joins with a half-precision state of half weights whose master weights step in fp32 had
+        its state loaded before the plugin knew it (``fabric.load_raw(path, optimizer)``): torch cast it. (After
+        ``fabric.load`` the plugin's entry has warned already.)"""
+        kind = MasterKind.of(self.master_weights)
+        if kind is None or not kind.ours or self._states.active or self._pending is not None:
+            return
+        if any(k != "step" and isinstance(v, Tensor) and v.dtype in _HALF and getattr(p, "dtype", None) in _HALF
+               for p, state in optimizer.state.items() for k, v in state.items()):  # fmt: skip
+            rank_zero_warn(
+                f"{type(self).__name__}: {type(optimizer).__name__} holds a half-precision state of half-precision"
+                " weights whose master weights step in fp32: it was loaded (fabric.load_raw, load_state_dict) before"
+                " the plugin knew the optimizer, and torch's Optimizer.load_state_dict cast it to the weights' dtype,"
+                " so the resume is not exact. Call plugin.setup_optimizers(optimizer) after fabric.setup and before"
+                " loading its state."
+            )
 
     # ------------------------------------------------------------------ forward
     def _dtype(self) -> Optional[torch.dtype]:
@@ -465,6 +483,32 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
             self._modules, self._container, self._optimizers = [], None, []
             self._guarded.clear()
             self._patches.undo_all()
+
+
+class _LoadHook:
+    """A load-state-dict hook on a set-up model (:meth:`MPFabricPrecision._follow_loads`), before or after the load.
+    A copy of the model (pickled, deep-copied mid-run) is not the run's: its copy of the hook does nothing."""
+
+    def __init__(self, plugin: MPFabricPrecision, after: bool) -> None:
+        self._plugin, self._after = weakref.ref(plugin), after
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        plugin = self._plugin()
+        if plugin is not None and self._after:
+            plugin._loaded()
+        elif plugin is not None:
+            plugin._loading(module, args[0], args[1])  # (the state dict, the prefix)
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _inert_load_hook, ()
+
+
+def _inert_load_hook() -> Callable[..., None]:
+    return _no_load_hook
+
+
+def _no_load_hook(*args: Any) -> None:
+    """The load hook of a copy of a set-up model: nothing to follow."""
 
 
 def _no_closure() -> None:

@@ -15,6 +15,7 @@ set up fresh, Fabric's own plugin of the mode (``master_weights="none"``: its la
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -279,3 +280,51 @@ def test_load_raw_of_model_and_optimizer_resumes(mode, kind, tmp_path):
     if not mode.endswith("-true") or kind == "none":
         raw_assert_equal(raw_params(raw), whole, "weights")
     assert plugin.stats.steps == 2 and plugin.stats.skipped_steps == 0
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("bf16-true", None), ("fp16-true", "kahan"), ("bf16-true", "stochastic")])
+def test_an_optimizer_state_loaded_before_the_plugin_knew_the_optimizer_warns(mode, kind, tmp_path):
+    """``fabric.load_raw(path, optimizer)`` right after ``fabric.setup``, without ``plugin.setup_optimizers``: the
+    plugin cannot see the optimizer yet (Fabric tells a precision plugin of no optimizer), so torch's
+    ``Optimizer.load_state_dict`` casts the fp32 state of the half weights to their dtype, as under Fabric's own
+    ``HalfPrecision`` (whose state is half anyway). The first step says so and how to keep it; training goes on."""
+    plugin = raw_plugin(mode, kind)
+    fabric, raw, model, opt = raw_setup(plugin, seed=0, optimizer="adam")
+    raw_train(fabric, model, opt, raw_batches(2))
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")
+
+    plugin = raw_plugin(mode, kind)
+    fabric, raw, model, opt = raw_setup(plugin, seed=0, optimizer="adam")
+    fabric.load_raw(tmp_path / "optimizer.pt", opt)
+    with pytest.warns(UserWarning, match=r"^MPFabricPrecision: Adam holds a half-precision state.*setup_optimizers"):
+        raw_train(fabric, model, opt, raw_batches(1))
+    assert all(torch.isfinite(p).all() for p in raw.parameters()) and plugin.stats.skipped_steps == 0
+
+    plugin = raw_plugin(mode, kind)  # given to the plugin first: no warning, the state as saved
+    fabric, raw, model, opt = raw_setup(plugin, seed=0, optimizer="adam", join=True)
+    fabric.load_raw(tmp_path / "optimizer.pt", opt)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*holds a half-precision state")
+        raw_train(fabric, model, opt, raw_batches(1))
+
+
+def test_the_set_up_model_pickles_and_copies_and_a_copy_loads_as_a_plain_module(pretrained):
+    """Checkpointing and averaging code copies the model mid-run (``torch.save(model)``, ``copy.deepcopy``): the load
+    hooks copy as inert ones; the copy loads a state dict as a plain module, and the run's masters do not move."""
+    import io
+    import pickle
+
+    plugin = raw_plugin("bf16-true")
+    fabric, raw, model, opt = raw_setup(plugin, seed=1)
+    raw_train(fabric, model, opt, raw_batches(1))
+    held = copy.deepcopy(raw_held(plugin))
+    buffer = io.BytesIO()
+    torch.save(raw, buffer)
+    buffer.seek(0)
+    copies = [copy.deepcopy(raw), pickle.loads(pickle.dumps(raw)), torch.load(buffer, weights_only=False)]
+    for copied in (*copies, copy.deepcopy(plugin), pickle.loads(pickle.dumps(plugin))):
+        assert copied is not None
+    for copied in copies:
+        copied.load_state_dict(torch.load(pretrained, weights_only=True))
+        assert copied[0].weight.dtype == torch.bfloat16
+    raw_assert_equal(raw_held(plugin), held, "masters")
