@@ -183,6 +183,33 @@ def test_lr_find_overflowing_trial_steps_leave_no_trace(mode, tmp_path):
     assert plugin.stats.as_dict() == fresh_plugin.stats.as_dict()
 
 
+@pytest.mark.parametrize(
+    "mode, options", [("fp16", {}), ("bf16-true", {}), ("bf16-true", {"master_weights": "kahan"}),
+                      ("bf16-true", {"master_weights": "stochastic"})], ids=["fp16", "bf16-true", "kahan", "stochastic"]
+)  # fmt: skip
+def test_lr_find_between_two_fits_leaves_the_run_as_it_was(mode, options, tmp_path):
+    """``fit``; ``lr_find`` on the same Trainer (its checkpoint now holds masters, noise, a grown loss scale);
+    ``fit`` on: exactly the run without the search (the lr the module keeps: ``update_attr=False``)."""
+    if mode == "fp16":
+        options = {"init_scale": 2.0**10, "growth_interval": 2}  # the scale grows during the first fit
+    results = {}
+    for search in (False, True):
+        model = tuner_model()
+        plugin = opt_plugin(mode, **options)
+        trainer = tuner_trainer(tmp_path, plugin, max_steps=4)
+        trainer.fit(model)
+        assert mode != "fp16" or plugin.scaler.get_scale() > 2.0**10
+        before = plugin.stats.as_dict()
+        if search:
+            Tuner(trainer).lr_find(model, num_training=12, max_lr=100.0, early_stop_threshold=None, update_attr=False)
+            assert plugin.stats.as_dict() == before
+        trainer.fit_loop.epoch_loop.max_steps = 8
+        trainer.fit(model)
+        results[search] = (mw_params(model), plugin.stats.as_dict())
+    tuner_assert_equal(results[True][0], results[False][0], "fit, lr_find, fit against fit, fit")
+    assert results[True][1] == results[False][1]
+
+
 def test_lr_find_under_fast_dev_run_is_skipped_as_with_lightnings_plugin(tmp_path):
     """Lightning skips the search under ``fast_dev_run`` with a warning and returns ``None``: the same here."""
     model = tuner_model()
