@@ -137,3 +137,25 @@ def test_resumed_in_fp32_the_run_starts_from_the_masters(mode, kind, tmp_path):
         if kind == "fp32":
             masters = mw_find_fp32_masters(saved)
             assert all(torch.equal(start[n], masters[n]) for n in start)
+
+
+@pytest.mark.parametrize("mode", OPT_MODES)
+def test_weights_only_checkpoints_hold_what_lightnings_own_hold(mode, tmp_path):
+    """``save_checkpoint(weights_only=True)`` (``ModelCheckpoint(save_weights_only=True)``): the entries of
+    Lightning's own plugin's, no plugin entry, and ``load_from_checkpoint`` gives the trained module; a full
+    checkpoint holds Lightning's entries and the plugin's."""
+    keys = {}
+    for who in ("ours", "lightning"):
+        model = LfcNet()
+        plugin = opt_plugin(mode) if who == "ours" else None
+        trainer = opt_trainer(plugin, precision=None if plugin else LFC_LIGHTNING[mode], max_steps=2)
+        trainer.fit(model)
+        trainer.save_checkpoint(tmp_path / f"{who}-weights.ckpt", weights_only=True)
+        trainer.save_checkpoint(tmp_path / f"{who}-full.ckpt")
+        weights = torch.load(tmp_path / f"{who}-weights.ckpt", weights_only=True)
+        full = torch.load(tmp_path / f"{who}-full.ckpt", weights_only=True)
+        keys[who] = (set(weights), set(full))
+        loaded = LfcNet.load_from_checkpoint(tmp_path / f"{who}-weights.ckpt")
+        assert all(torch.equal(a, b.float()) for a, b in zip(loaded.parameters(), model.parameters()))
+    assert keys["ours"][0] == keys["lightning"][0]
+    assert keys["ours"][1] >= keys["lightning"][1] | {"MPPlugin"}
