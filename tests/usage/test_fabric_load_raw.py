@@ -328,3 +328,30 @@ def test_the_set_up_model_pickles_and_copies_and_a_copy_loads_as_a_plain_module(
         copied.load_state_dict(torch.load(pretrained, weights_only=True))
         assert copied[0].weight.dtype == torch.bfloat16
     raw_assert_equal(raw_held(plugin), held, "masters")
+
+
+@pytest.mark.parametrize("kind", ["fp32", "kahan"])
+def test_a_mixed_runs_checkpoint_resumed_in_true_half_starts_from_its_fp32_weights(kind, tmp_path):
+    """``fabric.load`` of a ``bf16`` run's checkpoint (fp32 weights, no master weights) into a set-up ``bf16-true`` run:
+    as the plugin's warning says, the masters start from the checkpoint's exact fp32 weights (the model is half when
+    Fabric loads them): the run goes on as one set up fresh from those weights, bit for bit."""
+    plugin = raw_plugin("bf16")
+    fabric, raw, model, opt = raw_setup(plugin, seed=0, optimizer="sgd-plain", join=True)
+    raw_train(fabric, model, opt, raw_batches(2))
+    fabric.save(tmp_path / "mixed.ckpt", {"model": model, "optimizer": opt, "precision": plugin})
+    weights = {name: value.clone() for name, value in raw.state_dict().items()}
+
+    fresh_plugin = raw_plugin("bf16-true", kind)
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[fresh_plugin])
+    fresh_raw = raw_net(5)
+    fresh_raw.load_state_dict(weights)  # (before set-up: the fp32 model)
+    fresh, fresh_opt = fabric.setup(fresh_raw, torch.optim.SGD(fresh_raw.parameters(), lr=0.1))
+    raw_train(fabric, fresh, fresh_opt, raw_batches(2, seed=4))
+
+    plugin = raw_plugin("bf16-true", kind)
+    fabric, raw, model, opt = raw_setup(plugin, seed=5, optimizer="sgd-plain", join=True)
+    with pytest.warns(UserWarning, match="holds no master weights.*exact fp32 values"):
+        fabric.load(tmp_path / "mixed.ckpt", {"model": model, "optimizer": opt, "precision": plugin})
+        raw_train(fabric, model, opt, raw_batches(2, seed=4))
+    raw_assert_equal(raw_params(raw), raw_params(fresh_raw), "weights")
+    raw_assert_equal(raw_held(plugin), raw_held(fresh_plugin), "masters")
