@@ -442,7 +442,10 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """The loss scale, counters and loss-spike window now; the master weights at the next step, once the model
-        is loaded (whatever the order of the state fabric.load restores) and the optimizers are known."""
+        is loaded (whatever the order of the state fabric.load restores) and the optimizers are known. An empty entry
+        (Fabric's own plugins of the modes without a loss scale save one) restores nothing, as those plugins do."""
+        if isinstance(state_dict, dict) and not state_dict:
+            return
         state = normalise(state_dict)
         now = {key: value for key, value in state.items() if key != "master_weights"}
         load_plugin_state(now, current_mode=self._run.name, scaler=self._run.scaler, masters=None, master_weights=None,

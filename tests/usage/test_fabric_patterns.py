@@ -485,3 +485,35 @@ def test_load_a_partial_state_with_strict_false_as_fabrics_own(mode, tmp_path):
         train(fabric, model, opt, data[2:])
         results.append(params(raw))
     assert_same(results[1], results[0])
+
+
+# ------------------------------------------------------------------------------------- Fabric's own checkpoints
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_from_a_checkpoint_of_fabrics_own_plugin(mode, tmp_path):
+    """Switching to our plugin mid-project: a checkpoint saved by ``fabric.save`` under Fabric's own plugin, the plugin
+    in the state (``{"precision": plugin}``: an empty entry in bf16-mixed, the true-half modes and 32-true,
+    GradScaler's state in 16-mixed), loaded with ours in its place: it resumes, and set up as Fabric's own plugin the
+    rest of the run is Fabric's own uninterrupted run, bit for bit."""
+    data = batches(4)
+    plugin = fabric_own(mode)
+    fabric = cpu(plugin)
+    raw = net()
+    model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9))
+    train(fabric, model, opt, data[:2])
+    fabric.save(tmp_path / "own.ckpt", {"model": model, "optimizer": opt, "precision": plugin, "step": 2})
+    train(fabric, model, opt, data[2:])
+    theirs = params(raw)
+
+    for make in (lambda: as_fabric(mode), lambda: ours(mode)):
+        plugin = make()
+        fabric = cpu(plugin)
+        raw = net(seed=7)
+        model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9))
+        plugin.setup_optimizers(opt)
+        state = {"model": model, "optimizer": opt, "precision": plugin, "step": 0}
+        fabric.load(tmp_path / "own.ckpt", state)
+        assert state["step"] == 2
+        train(fabric, model, opt, data[2:])
+        assert plugin.stats.steps == 2 and plugin.stats.skipped_steps == 0
+        if plugin.settings == as_fabric(mode).settings:
+            assert_same(params(raw), theirs)
