@@ -137,7 +137,8 @@ def test_max_time_stops_between_whole_steps(mode, tmp_path):
 # ================================================================================================================
 # freeze() / unfreeze()
 # ================================================================================================================
-FLAGS_KIND_RUNS = [*[(mode, None) for mode in OPT_MODES], ("bf16-true", "kahan"), ("bf16-true", "stochastic")]
+FLAGS_KIND_RUNS = [*[(mode, None) for mode in OPT_MODES], ("bf16-true", "kahan"), ("bf16-true", "stochastic"),
+                   ("bf16-true", "none")]
 FLAGS_KIND_IDS = [m if k is None else f"{m}-{k}" for m, k in FLAGS_KIND_RUNS]
 
 
@@ -215,3 +216,36 @@ def test_device_stats_monitor_logs_what_it_logs_with_lightnings_plugin(mode, tmp
     assert columns["ours"][0] == columns["lightning"][0]
     ours_warned, their_warned = columns["ours"][1], columns["lightning"][1]
     assert ours_warned <= their_warned, f"warnings Lightning's own plugin does not give: {ours_warned - their_warned}"
+
+
+@pytest.mark.parametrize("mode, kind", FLAGS_KIND_RUNS, ids=FLAGS_KIND_IDS)
+def test_frozen_backbone_with_a_trainable_head_trains_the_head_alone(mode, kind):
+    """The fine-tuning pattern: ``freeze()``, then the head ``requires_grad_(True)``; the optimizer is given every
+    parameter. The frozen weights stay bit for bit (masters or not), the head trains as under Lightning's plugin
+    (the same weights where the arithmetic is the same); Lightning keeps the frozen module in eval mode and says so
+    with its own warning, the same here."""
+    results = {}
+    for who in ("ours", "lightning"):
+        model = FlagsNet(n=32)
+        model.freeze()
+        model.out.requires_grad_(True)
+        start = mw_params(model)
+        if who == "ours":
+            options = {"master_weights": kind} if kind is not None else {}
+            plugin, precision = opt_plugin(mode, **options), None
+        else:
+            plugin, precision = None, FLAGS_LIGHTNING[mode]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt_trainer(plugin, precision=precision, max_steps=4).fit(model)
+        after = mw_params(model)
+        for name in ("layer.weight", "layer.bias"):
+            assert torch.equal(after[name], start[name].to(after[name].dtype)), f"{who}: frozen {name} changed"
+        assert not torch.equal(after["out.weight"], start["out.weight"].to(after["out.weight"].dtype))
+        assert not model.training
+        results[who] = (after, flags_warnings(caught), plugin)
+    (ours, warned, plugin), (theirs, their_warned, _) = results["ours"], results["lightning"]
+    assert warned <= their_warned, f"warnings Lightning's own plugin does not give: {warned - their_warned}"
+    assert plugin.stats.steps == 4 and plugin.stats.skipped_steps == 0
+    if mode in FLAGS_EXACT and (kind == "none" or not mode.endswith("-true")):
+        flags_assert_equal(ours, theirs, "the head trained against Lightning's")
