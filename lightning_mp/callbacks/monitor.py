@@ -338,7 +338,8 @@ class PrecisionMonitor(Callback):
             return
         why = _nothing_to_draw(self.history, self._every, trainer)
         if why is not None:
-            rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) drew nothing: {why}.")
+            if not trainer.fast_dev_run:  # (fast_dev_run: Lightning has said that logging is suppressed)
+                rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) drew nothing: {why}.")
             return
         try:
             _draw(self.history, self.plot, _precision_name(trainer))

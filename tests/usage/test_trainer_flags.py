@@ -249,3 +249,22 @@ def test_frozen_backbone_with_a_trainable_head_trains_the_head_alone(mode, kind)
     assert plugin.stats.steps == 4 and plugin.stats.skipped_steps == 0
     if mode in FLAGS_EXACT and (kind == "none" or not mode.endswith("-true")):
         flags_assert_equal(ours, theirs, "the head trained against Lightning's")
+
+
+@pytest.mark.parametrize("mode", ["bf16", "bf16-true"])
+def test_fast_dev_run_with_monitors_warns_nothing(mode, tmp_path):
+    """``fast_dev_run`` suppresses logging (Lightning says so once): Lightning's ``LearningRateMonitor`` and
+    ``DeviceStatsMonitor`` log nothing and say nothing; ``PrecisionMonitor(plot=...)`` draws nothing and says
+    nothing either (it warned that no logging step ran, advising a smaller ``log_every_n_steps``)."""
+    pytest.importorskip("matplotlib")
+    from lightning.pytorch.callbacks import LearningRateMonitor
+
+    from lightning_mp import PrecisionMonitor
+
+    plot = tmp_path / "precision.png"
+    callbacks = [LearningRateMonitor(), DeviceStatsMonitor(), PrecisionMonitor(plot=str(plot))]
+    model, trainer, plugin, warned = flags_fit(mode, "ours", tmp_path, fast_dev_run=2, callbacks=callbacks,
+                                               logger=CSVLogger(tmp_path))  # fmt: skip
+    assert trainer.global_step == 2 and plugin.stats.steps == 2
+    assert not warned, warned
+    assert not plot.exists()
