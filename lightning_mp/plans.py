@@ -242,12 +242,12 @@ class ClosurePlan:
         kwargs: dict[str, Any],
     ) -> tuple[Any, Outcome]:
         scaler, masters = self.steps.scaler, self.steps.masters
-        if scaler is not None and scaler.scaling:
+        if scaler is not None and scaler.scaling and (getattr(scaler, "dynamic", True) or scaler._init_scale != 1.0):
             raise MisconfigurationException(
                 f"{self.steps.host.plugin}: {type(optimizer).__name__} evaluates its closure inside step(), which"
                 " cannot be combined"
                 " with a loss scale (fp16 and fp16-true), as torch's GradScaler cannot. Use precision 'fp32', 'tf32',"
-                " 'bf16' or 'bf16-true' with closure-taking optimizers."
+                " 'bf16' or 'bf16-true' with closure-taking optimizers, or loss_scale=1.0 (an unscaled loss)."
             )
         # (every half parameter stands in, also one without a gradient yet: the optimizer makes them in its step)
         records = masters.gather(optimizer, every=True) if masters is not None else None

@@ -12,6 +12,7 @@ uninterrupted run for a resume.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Optional
 
@@ -517,3 +518,91 @@ def test_resume_from_a_checkpoint_of_fabrics_own_plugin(mode, tmp_path):
         assert plugin.stats.steps == 2 and plugin.stats.skipped_steps == 0
         if plugin.settings == as_fabric(mode).settings:
             assert_same(params(raw), theirs)
+
+
+# ---------------------------------------------------------------------------------------------- closures, autocast
+def closure_run(plugin: Precision, data: list, optimizer: str, how: str) -> tuple[list, dict]:
+    fabric = cpu(plugin)
+    raw = net()
+    opt = (torch.optim.LBFGS(raw.parameters(), lr=0.5, max_iter=3) if optimizer == "lbfgs"
+           else torch.optim.SGD(raw.parameters(), lr=0.1, momentum=0.9))  # fmt: skip
+    model, opt = fabric.setup(raw, opt)
+    losses = []
+    for x, y in data:
+        if how == "closure":
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = nn.functional.mse_loss(model(x), y)
+                fabric.backward(loss)
+                return loss
+
+            losses.append(float(opt.step(closure).detach()))
+        else:  # the forward and the loss inside fabric.autocast() (or not: ""), the backward and the step after it
+            with fabric.autocast() if how == "autocast" else contextlib.nullcontext():
+                loss = nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+    return losses, params(raw)
+
+
+@pytest.mark.parametrize(("optimizer", "how"), [("sgd", "closure"), ("lbfgs", "closure"), ("sgd", "autocast")])
+@pytest.mark.parametrize("mode", MODES)
+def test_closures_and_fabric_autocast_as_fabrics_own(mode, optimizer, how):
+    """``optimizer.step(closure)`` (SGD; LBFGS, which evaluates the closure itself several times) and a loss computed
+    inside ``fabric.autocast()``: the losses returned and the weights are Fabric's own plugin's, bit for bit. fp16:
+    Fabric's own ``GradScaler`` refuses closures; ours runs SGD's (the closure first, then the step) as the loop
+    without one, and refuses LBFGS's with a dynamic loss scale, saying why. fp16-true as Fabric's own
+    (``loss_scale=1.0``, an unscaled loss) runs LBFGS."""
+    data = batches(3)
+    if mode == "fp16" and how == "closure":
+        if optimizer == "lbfgs":
+            with pytest.raises(Exception, match="LBFGS evaluates its closure inside step.*loss_scale=1.0"):
+                closure_run(as_fabric(mode), data, optimizer, how)
+            return
+        mine, plain = closure_run(as_fabric(mode), data, optimizer, how), closure_run(as_fabric(mode), data, "sgd", "")
+        assert mine[0] == plain[0]
+        assert_same(mine[1], plain[1])
+        return
+    theirs = closure_run(fabric_own(mode), data, optimizer, how)
+    mine = closure_run(as_fabric(mode), data, optimizer, how)
+    assert mine[0] == theirs[0]
+    assert_same(mine[1], theirs[1])
+
+
+@pytest.mark.parametrize(("mode", "kind"), [(m, None) for m in MODES] + [("bf16-true", "kahan")],
+                         ids=[*MODES, "bf16-true-kahan"])
+def test_a_nan_batch_inside_fabric_autocast_is_skipped(mode, kind):
+    """The forward and loss inside ``fabric.autocast()`` (a BatchNorm model; the autocast and the model's own forward
+    context nest): a NaN batch's step is skipped, weights and running statistics as before it, and the run goes on as
+    one that never saw it."""
+
+    def run(poison: bool) -> tuple:
+        plugin = ours(mode, kind)
+        fabric = cpu(plugin)
+        torch.manual_seed(0)
+        raw = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 1))
+        model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+        data = batches(3)
+        if poison:
+            bad = data[1][0].clone()
+            bad[0, 0] = float("nan")
+            data.insert(1, (bad, data[1][1]))
+        for i, (x, y) in enumerate(data):
+            before = {**params(raw), **{n: b.clone() for n, b in raw.named_buffers()}}
+            with fabric.autocast():
+                loss = nn.functional.mse_loss(model(x), y)
+            fabric.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            if poison and i == 1:
+                assert plugin.stats.skipped
+                after = {**params(raw), **{n: b.clone() for n, b in raw.named_buffers()}}
+                assert_same(after, before, "after the skipped step")
+        return params(raw), {n: b.clone() for n, b in raw.named_buffers()}, plugin.stats.skipped_steps
+
+    poisoned, clean = run(True), run(False)
+    assert poisoned[2] == 1 and clean[2] == 0
+    assert_same(poisoned[0], clean[0])
+    assert_same(poisoned[1], clean[1], "buffers")
