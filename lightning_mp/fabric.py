@@ -186,13 +186,17 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         self._optimizers = list(optimizers)
         self._device = device = distributed.root_device(None, container)
         run = self._run
-        run.connect(device)  # auto settles, the device is checked, the scaler moves there, TF32
-        for module in self._modules:
-            self._guard(module, device.type)
-        announce(self)
-        distributed.connect(container, run.scaler, None, None, [])  # under DDP every rank takes the worst verdict
-        # (each optimizer.step() a whole step; optimizers that join later join this list)
-        return self._open_steps(LoopHost(self.stats, type(self).__name__), container, self._optimizers, device=device)
+        # (a first contact under torch.inference_mode(), an evaluation before training: the loss scale and what the
+        # run keeps are made as ordinary tensors, which training's autograd can use)
+        with torch.inference_mode(False):
+            run.connect(device)  # auto settles, the device is checked, the scaler moves there, TF32
+            for module in self._modules:
+                self._guard(module, device.type)
+            announce(self)
+            distributed.connect(container, run.scaler, None, None, [])  # under DDP every rank takes the worst verdict
+            # (each optimizer.step() a whole step; optimizers that join later join this list)
+            host = LoopHost(self.stats, type(self).__name__)
+            return self._open_steps(host, container, self._optimizers, device=device)
 
     @property
     def active_mode(self) -> PrecisionMode:

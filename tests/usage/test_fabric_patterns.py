@@ -606,3 +606,32 @@ def test_a_nan_batch_inside_fabric_autocast_is_skipped(mode, kind):
     assert poisoned[2] == 1 and clean[2] == 0
     assert_same(poisoned[0], clean[0])
     assert_same(poisoned[1], clean[1], "buffers")
+
+
+# ---------------------------------------------------------------------------------------------- evaluation first
+@pytest.mark.parametrize("mode", MODES)
+def test_an_evaluation_under_inference_mode_before_training(mode):
+    """A loop that evaluates first under ``torch.inference_mode()`` (the plugin's first contact with the model is
+    there), then trains, evaluating again between steps: as Fabric's own plugin, bit for bit (in fp16 the loss scale
+    made at that first contact is an ordinary tensor, which the backward can use)."""
+    data = batches(4)
+    x_eval = torch.randn(6, 8, generator=torch.Generator().manual_seed(9))
+    results = []
+    for plugin in (fabric_own(mode), as_fabric(mode)):
+        fabric = cpu(plugin)
+        raw = net()
+        model, opt = fabric.setup(raw, torch.optim.SGD(raw.parameters(), lr=0.1))
+        seen = []
+        for i, (x, y) in enumerate(data):
+            if i % 2 == 0:
+                model.eval()
+                with torch.inference_mode():
+                    seen.append(model(x_eval).clone())
+                model.train()
+            fabric.backward(nn.functional.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        results.append((seen, params(raw)))
+    for a, b in zip(results[1][0], results[0][0]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert_same(results[1][1], results[0][1])
