@@ -45,15 +45,15 @@ def plugin_state(
     return state
 
 
-def normalise(state: Any) -> dict[str, Any]:
+def normalise(state: Any, host: str = "MPPlugin") -> dict[str, Any]:
     """Check the entry's shape; a bare GradScaler state (Lightning's ``MixedPrecision``) becomes an fp16 entry."""
     if not isinstance(state, dict):
-        raise ValueError(f"The checkpoint's MPPlugin entry is a {type(state).__name__}, not a dict: it is corrupted.")
+        raise ValueError(f"The checkpoint's {host} entry is a {type(state).__name__}, not a dict: it is corrupted.")
     if "scale" in state:
         state = {"mode": "fp16", "scaler": state}
     if "mode" not in state:
         raise ValueError(
-            f"The checkpoint's MPPlugin entry has keys {sorted(state)} but no 'mode': it is corrupted"
+            f"The checkpoint's {host} entry has keys {sorted(state)} but no 'mode': it is corrupted"
             " or was written by another plugin."
         )
     return state
@@ -73,11 +73,11 @@ def load_plugin_state(
     optimizer_states: Any = None,
     host: str = "MPPlugin",
 ) -> None:
-    state = normalise(state)
+    state = normalise(state, host)
     saved_mode = state["mode"]
     if saved_mode != current_mode:
         rank_zero_warn(
-            f"MPPlugin: the checkpoint was written with precision={saved_mode!r} and training resumes with"
+            f"{host}: the checkpoint was written with precision={saved_mode!r} and training resumes with"
             f" precision={current_mode!r}; skip counters are kept"
             + (", the loss scale starts from init_scale." if _scales(current_mode) and not _scales(saved_mode) else ".")
         )
@@ -89,7 +89,8 @@ def load_plugin_state(
             raise ValueError(f"The checkpoint's loss-scaler state is corrupted: {err}") from err
     _load_counters(state, stats)
     saved_dtype = MODES[saved_mode].param_dtype if isinstance(saved_mode, str) and saved_mode in MODES else None
-    _load_master_weights(state.get("master_weights"), masters, master_weights, current_mode, module, saved_dtype)
+    _load_master_weights(state.get("master_weights"), masters, master_weights, current_mode, module, saved_dtype,
+                         host)  # fmt: skip
     if fp8 is not None:
         fp8.load_state_dict(state.get("fp8"))  # warns when the recipe changed
     if spike is not None and state.get("spike") is not None:
@@ -125,6 +126,7 @@ def _load_master_weights(
     mode: str,
     module: Optional[nn.Module],
     saved_dtype: Optional[torch.dtype] = None,
+    host: str = "MPPlugin",
 ) -> None:
     saved_kind = saved.get("kind") if isinstance(saved, dict) else None
     if saved is not None and saved_kind is None:
@@ -133,13 +135,13 @@ def _load_master_weights(
     if masters is not None:
         if saved is None:
             rank_zero_warn(
-                f"MPPlugin: the checkpoint holds no master weights; master_weights={current!r} starts from the"
+                f"{host}: the checkpoint holds no master weights; master_weights={current!r} starts from the"
                 " checkpoint's weights (its exact fp32 values where it holds fp32 weights)."
             )
             return
         if saved_kind != current:
             rank_zero_warn(
-                f"MPPlugin: the checkpoint's master weights are {saved_kind!r}, training resumes with"
+                f"{host}: the checkpoint's master weights are {saved_kind!r}, training resumes with"
                 f" master_weights={current!r}: converted through their fp32 values."
             )
         # parameters half with masters then and fp32 now (guarded in this run: a mode or fp32_modules change, e.g.
@@ -154,7 +156,7 @@ def _load_master_weights(
     # no master weights now: fp32 weights (a mixed mode) take the masters' values where they fit
     if not _fp32_weights_take(fp32_values(saved, params), params, saved_dtype):
         rank_zero_warn(
-            f"MPPlugin: the checkpoint's {saved_kind!r} master weights are not used: precision={mode!r}"
+            f"{host}: the checkpoint's {saved_kind!r} master weights are not used: precision={mode!r}"
             + (" with master_weights='none' trains the half weights alone." if current == "none" else ".")
         )
 

@@ -450,7 +450,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         (Fabric's own plugins of the modes without a loss scale save one) restores nothing, as those plugins do."""
         if isinstance(state_dict, dict) and not state_dict:
             return
-        state = normalise(state_dict)
+        state = normalise(state_dict, type(self).__name__)
         now = {key: value for key, value in state.items() if key != "master_weights"}
         load_plugin_state(now, current_mode=self._run.name, scaler=self._run.scaler, masters=None, master_weights=None,
                           fp8=self._run.fp8, stats=self.stats, module=None, spike=self._spike,
@@ -472,7 +472,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         known = MODES.get(saved_mode) if isinstance(saved_mode, str) else None
         masters = self._steps.masters if self._steps is not None else None
         _load_master_weights(saved, masters, self.master_weights, self._run.name, self._container,
-                             known.param_dtype if known is not None else None)  # fmt: skip
+                             known.param_dtype if known is not None else None, type(self).__name__)  # fmt: skip
 
     # ------------------------------------------------------------------ teardown
     @override

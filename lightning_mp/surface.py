@@ -80,7 +80,7 @@ class PrecisionRun:
         self._spike = None if skips.spike_sigma is None else SpikeGuard(skips.spike_sigma, skips.spike_window)
         self._patches = Patches()  # every change to objects we do not own, undone at teardown (lightning_mp.patches)
         layout = settle_weights(settings.fp8, sharded=False, master_weights=settings.master_weights)
-        self._weights = MasterWeightsSetup(settings.master_weights, layout)
+        self._weights = MasterWeightsSetup(settings.master_weights, layout, settings.host)
         self._states = OptimizerStates(settings.optimizer_states)  # Adam's moments between steps
         self._run = RunPrecision(
             settings, device=settings.device or ("cuda" if torch.cuda.is_available() else "cpu"),

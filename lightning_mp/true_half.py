@@ -69,8 +69,9 @@ class MasterWeightsSetup:
     """The ``master_weights`` option (checked in :mod:`lightning_mp.settings`) and the master weights it made (kept
     across ``fit`` calls of one plugin)."""
 
-    def __init__(self, asked: Optional[str], fp8_weights: str = "bf16") -> None:
+    def __init__(self, asked: Optional[str], fp8_weights: str = "bf16", host: str = "MPPlugin") -> None:
         self.asked = asked
+        self.host = host  # the plugin class its messages name
         #: the dtype fp8 keeps the model's weights in (settled at set-up): bf16 gets master weights as true-half does
         self.fp8_weights = fp8_weights
         self.found: Optional[str] = None  # "optimizer" when unset and every optimizer keeps its own masters
@@ -97,7 +98,7 @@ class MasterWeightsSetup:
     ) -> Optional[MasterWeights]:
         """The master weights for this run's optimizers (``None``: the optimizers step the parameters), on
         ``device`` (masters kept from an earlier fit waited on the CPU)."""
-        _warn_redundant_optimizer_masters(mode, optimizers)
+        _warn_redundant_optimizer_masters(mode, optimizers, self.host)
         if not self.half_weights(mode) or fsdp:
             return None  # (under FSDP the fp32 shards are the master weights)
         if self._optimizer_keeps_masters(mode, optimizers):
@@ -106,7 +107,7 @@ class MasterWeightsSetup:
         assert kind is not None  # half weights
         if not kind.ours:  # ("none": the optimizer steps the half weights; "optimizer" returned above)
             if mode.needs_scaler:
-                _warn_eps_underflow(optimizers)
+                _warn_eps_underflow(optimizers, self.host)
             return None
         if self.masters is None or self.masters.kind != kind.name:
             self.masters = make_master_weights(kind.name)
@@ -130,7 +131,7 @@ class MasterWeightsSetup:
         if self.asked == "optimizer":
             if not all(own):
                 raise MisconfigurationException(
-                    f"MPPlugin(precision={mode.name!r}, master_weights='optimizer') needs optimizers that keep fp32"
+                    f"{self.host}(precision={mode.name!r}, master_weights='optimizer') needs optimizers that keep fp32"
                     f" master weights themselves, but {names} does not (no master_weights=True). Use Transformer"
                     " Engine's FusedAdam(params, master_weights=True), or master_weights='fp32' (the default) with"
                     " any optimizer."
@@ -138,12 +139,12 @@ class MasterWeightsSetup:
         elif self.asked is None and own and all(own):
             self.found = "optimizer"
             rank_zero_info(
-                f"MPPlugin({mode.name!r}): {names} keeps fp32 master weights itself (master_weights=True):"
+                f"{self.host}({mode.name!r}): {names} keeps fp32 master weights itself (master_weights=True):"
                 " master_weights='optimizer', no second copy."
             )
         elif any(own):
             raise MisconfigurationException(
-                f"MPPlugin(precision={mode.name!r}, master_weights={self.kind(mode)!r}) with {names}, which keeps"
+                f"{self.host}(precision={mode.name!r}, master_weights={self.kind(mode)!r}) with {names}, which keeps"
                 " fp32 master weights itself (master_weights=True): there would be two sets of masters"
                 + (" or none where the optimizer steps half weights" if not all(own) else "")
                 + ". Use master_weights='optimizer' (or leave it unset) with such an optimizer, or master_weights=False"
@@ -153,7 +154,7 @@ class MasterWeightsSetup:
             return False
         seeded = sum(seed_optimizer_masters(opt) for opt in optimizers)
         if seeded:
-            rank_zero_debug(f"MPPlugin: {seeded} optimizer-held master weights start from the exact fp32 weights.")
+            rank_zero_debug(f"{self.host}: {seeded} optimizer-held master weights start from the exact fp32 weights.")
         return True
 
     def namer(self, model: Any) -> Callable[[Tensor], Optional[str]]:
@@ -176,7 +177,7 @@ class _Namer:
         return name
 
 
-def _warn_eps_underflow(optimizers: list[Optimizer]) -> None:
+def _warn_eps_underflow(optimizers: list[Optimizer], host: str) -> None:
     """fp16 weights without masters: an optimizer ``eps`` below fp16's smallest value is 0 in its fp16 state."""
     tiny = torch.finfo(torch.float16).smallest_normal * 2.0**-10  # the smallest fp16 subnormal, ~6e-8
     for opt in optimizers:
@@ -184,14 +185,14 @@ def _warn_eps_underflow(optimizers: list[Optimizer]) -> None:
             eps = group.get("eps")
             if isinstance(eps, float) and 0 < eps < tiny:
                 rank_zero_warn(
-                    f"MPPlugin(precision='fp16-true', master_weights='none'): the optimizer's eps={eps:g} is 0 in the"
+                    f"{host}(precision='fp16-true', master_weights='none'): the optimizer's eps={eps:g} is 0 in the"
                     " fp16 optimizer state, so a parameter whose gradient is 0 gets 0/0 = NaN on the first step."
                     " Use master_weights='fp32' (the default), or eps >= 1e-7 (e.g. 1e-4)."
                 )
                 return
 
 
-def _warn_redundant_optimizer_masters(mode: PrecisionMode, optimizers: list[Optimizer]) -> None:
+def _warn_redundant_optimizer_masters(mode: PrecisionMode, optimizers: list[Optimizer], host: str) -> None:
     """An optimizer that keeps fp32 masters of parameters that are fp32 already holds a second fp32 copy."""
     for opt in optimizers:
         params = [p for g in opt.param_groups for p in g["params"]]
@@ -203,7 +204,7 @@ def _warn_redundant_optimizer_masters(mode: PrecisionMode, optimizers: list[Opti
                 else "precision='bf16-true' (its masters are then the fp32 copy)"
             )
             rank_zero_warn(
-                f"MPPlugin({mode.name!r}): {type(opt).__name__} keeps fp32 master weights itself (master_weights=True),"
+                f"{host}({mode.name!r}): {type(opt).__name__} keeps fp32 master weights itself (master_weights=True),"
                 " but the parameters it steps are fp32 already, so it holds a second fp32 copy of every weight"
                 f" (4 bytes a parameter for nothing). Use {way}, or master_weights=False in the optimizer."
             )

@@ -635,3 +635,28 @@ def test_an_evaluation_under_inference_mode_before_training(mode):
     for a, b in zip(results[1][0], results[0][0]):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert_same(results[1][1], results[0][1])
+
+
+# ---------------------------------------------------------------------------------------------- messages
+def test_messages_on_the_way_name_the_fabric_plugin(tmp_path):
+    """What a Fabric user reads names ``MPFabricPrecision`` (the class in use), not the Trainer's plugin: the fp16
+    optimizer-eps warning of a run without master weights, a resume in another mode, a precision entry that is not
+    the plugin's."""
+    plugin = MPFabricPrecision("fp16-true", master_weights="none", init_scale=2.0**8)
+    fabric = cpu(plugin)
+    raw = net()
+    model, opt = fabric.setup(raw, torch.optim.Adam(raw.parameters(), lr=1e-3))
+    with pytest.warns(UserWarning, match=r"^MPFabricPrecision\(precision='fp16-true', master_weights='none'\): the"
+                                         r" optimizer's eps=1e-08 is 0"):
+        plugin.setup_optimizers(opt)
+    fabric.save(tmp_path / "run.ckpt", {"model": model, "optimizer": opt, "precision": plugin})
+
+    plugin = ours("bf16-true")
+    fabric = cpu(plugin)
+    raw = net()
+    model, opt = fabric.setup(raw, torch.optim.Adam(raw.parameters(), lr=1e-3))
+    plugin.setup_optimizers(opt)
+    with pytest.warns(UserWarning, match=r"^MPFabricPrecision: the checkpoint was written with precision='fp16-true'"):
+        fabric.load(tmp_path / "run.ckpt", {"model": model, "optimizer": opt, "precision": plugin})
+    with pytest.raises(ValueError, match=r"^The checkpoint's MPFabricPrecision entry has keys \['step'\] but no"):
+        plugin.load_state_dict({"step": 3})
