@@ -160,15 +160,18 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         taken, self._loads = self._loads, []
         masters = self.masters
         names = {} if masters is None else {id(p): n for n, p in masters.named_params().items()}
+        values: dict[str, Tensor] = {}  # by the masters' names: their entries take them in one call
         with torch.no_grad():
             for param, value in taken:
                 value = value.detach().to(param.device, torch.float32)
                 if not bool(value.to(param.dtype).eq(param).all()):
                     continue  # (not written by this load)
-                if masters is not None and id(param) in names:
-                    masters.load_fp32_values({names[id(param)]: value})
+                if id(param) in names:
+                    values[names[id(param)]] = value
                 else:
                     _FP32_ORIGINALS[param] = (value, stamp(param))  # (the master made at the first step)
+        if masters is not None and values:
+            masters.load_fp32_values(values)
 
     def _connected(self, optimizers: Sequence[Optimizer] = ()) -> OptimizerSteps:
         """The run's step, set up at the first contact after ``fabric.setup``, on the parameters' device, with the

@@ -242,7 +242,8 @@ class ClosurePlan:
         kwargs: dict[str, Any],
     ) -> tuple[Any, Outcome]:
         scaler, masters = self.steps.scaler, self.steps.masters
-        if scaler is not None and scaler.scaling and (getattr(scaler, "dynamic", True) or scaler._init_scale != 1.0):
+        static_one = not getattr(scaler, "dynamic", True) and getattr(scaler, "_init_scale", None) == 1.0
+        if scaler is not None and scaler.scaling and not static_one:  # (a static scale of 1: an unscaled loss)
             raise MisconfigurationException(
                 f"{self.steps.host.plugin}: {type(optimizer).__name__} evaluates its closure inside step(), which"
                 " cannot be combined"
