@@ -94,6 +94,8 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         #: model whatever the order of its state dict, and the optimizers are known
         self._pending: Optional[tuple[Any, Any]] = None
         self._loads: list[tuple[Tensor, Tensor]] = []  # fp32 values of half weights a state dict is loading
+        #: fp32 values of half weights a state dict loaded (by parameter id: the parameter, the value, its stamp then)
+        self._loaded_values: dict[int, tuple[Tensor, Tensor, tuple[int, int]]] = {}
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -157,19 +159,30 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
                 self._loads.append((param, value))
 
     def _loaded(self) -> None:
+        """After the load: the fp32 values of the weights it wrote wait for the next step (or save), where they are
+        taken if the weights still hold them (a weight written since, e.g. evaluation weights swapped back in with
+        the saved half weights, keeps its master as it was)."""
         taken, self._loads = self._loads, []
-        masters = self.masters
-        names = {} if masters is None else {id(p): n for n, p in masters.named_params().items()}
-        values: dict[str, Tensor] = {}  # by the masters' names: their entries take them in one call
         with torch.no_grad():
             for param, value in taken:
                 value = value.detach().to(param.device, torch.float32)
-                if not bool(value.to(param.dtype).eq(param).all()):
-                    continue  # (not written by this load)
-                if id(param) in names:
-                    values[names[id(param)]] = value
-                else:
-                    _FP32_ORIGINALS[param] = (value, stamp(param))  # (the master made at the first step)
+                if bool(value.to(param.dtype).eq(param).all()):  # (else not written by this load)
+                    self._loaded_values[id(param)] = (param, value, stamp(param))
+
+    def _take_loaded(self) -> None:
+        """The masters take the fp32 values a load wrote (:meth:`_loaded`); a weight without a master yet keeps its
+        value for the master made at its first step."""
+        pending, self._loaded_values = self._loaded_values, {}
+        masters = self.masters
+        names = {} if masters is None else {id(p): n for n, p in masters.named_params().items()}
+        values: dict[str, Tensor] = {}  # by the masters' names: their entries take them in one call
+        for param, value, written in pending.values():
+            if stamp(param) != written:
+                continue  # (written since: the masters follow the weight as they do any write)
+            if id(param) in names:
+                values[names[id(param)]] = value
+            else:
+                _FP32_ORIGINALS[param] = (value, written)  # (the master made at the first step)
         if masters is not None and values:
             masters.load_fp32_values(values)
 
@@ -356,6 +369,8 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
     def _before_step(self, optimizer: Optimizer) -> OptimizerSteps:
         steps = self._connected()
         self._join(optimizer)
+        if self._loaded_values:
+            self._take_loaded()
         if self._pending is not None:
             self._load_pending()
         return steps
@@ -406,6 +421,8 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
     @override
     def state_dict(self) -> dict[str, Any]:
         """The loss scale, the step counters, the master weights (``fabric.save(path, {..., "precision": plugin})``)."""
+        if self._loaded_values:
+            self._take_loaded()
         if self._pending is not None and self._container is not None:
             self._connected()
             self._load_pending()
@@ -491,6 +508,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         finally:
             self._steps = None
             self._modules, self._container, self._optimizers = [], None, []
+            self._loads, self._loaded_values = [], {}
             self._guarded.clear()
             self._patches.undo_all()
 

@@ -355,3 +355,30 @@ def test_a_mixed_runs_checkpoint_resumed_in_true_half_starts_from_its_fp32_weigh
         raw_train(fabric, model, opt, raw_batches(2, seed=4))
     raw_assert_equal(raw_params(raw), raw_params(fresh_raw), "weights")
     raw_assert_equal(raw_held(plugin), raw_held(fresh_plugin), "masters")
+
+
+@pytest.mark.parametrize("kind", ["fp32", "kahan"])
+def test_weights_swapped_in_and_back_leave_the_run_as_it_was(kind):
+    """The evaluation-weights pattern: the model's state dict kept, fp32 weights of another kind (an fp32 average)
+    loaded for an evaluation, the kept state dict loaded back before the next step: the run is bit-identical to one
+    without the swap (the masters take a load's fp32 values only where the weights still hold them at the next
+    step)."""
+
+    def run(swap: bool) -> tuple:
+        plugin = raw_plugin("bf16-true", kind)
+        fabric, raw, model, opt = raw_setup(plugin, seed=0, optimizer="adam")
+        for i, x in enumerate(raw_batches(5)):
+            raw_train(fabric, model, opt, [x])
+            if swap and i == 2:
+                kept = {name: value.clone() for name, value in model.state_dict().items()}
+                model.load_state_dict({name: value.float() + 1e-3 for name, value in kept.items()})
+                model.eval()
+                with torch.no_grad():
+                    model(torch.ones(2, 8))
+                model.train()
+                model.load_state_dict(kept)
+        return raw_params(raw), raw_held(plugin)
+
+    swapped, plain = run(True), run(False)
+    raw_assert_equal(swapped[0], plain[0], "weights")
+    raw_assert_equal(swapped[1], plain[1], "masters")
