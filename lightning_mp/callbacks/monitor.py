@@ -338,7 +338,7 @@ class PrecisionMonitor(Callback):
             return
         why = _nothing_to_draw(self.history, self._every, trainer)
         if why is not None:
-            if not getattr(trainer, "fast_dev_run", False):  # (fast_dev_run: Lightning has said that logging is suppressed)
+            if not getattr(trainer, "fast_dev_run", False):  # (Lightning said logging is off)
                 rank_zero_warn(f"PrecisionMonitor(plot={self.plot!r}) drew nothing: {why}.")
             return
         try:
