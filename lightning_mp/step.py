@@ -69,7 +69,7 @@ class OptimizerSteps:
         self.buffers = BufferSnapshot()
         self._optimizers: dict[int, OptimizerState] = {}
         self._batch_verdicts: list[Tensor | bool] = []  # this batch's verdicts, for the one scale update
-        self._carry_sums = False
+        self._carry_sums = self.backward_ran = False  # backward_ran: since the last step (automatic optimization)
         self._sums = FP32SumReduction()
         self._shared = SharedGradients()  # parameters several optimizers hold (a loss scale unscaled once)
         self.host: Host = host_of(None)
@@ -179,6 +179,7 @@ class OptimizerSteps:
             loss = loss.detach().reshape(()).float()
             self.loss = loss if self.loss is None else self.loss + loss
         self.overlap.arm()
+        self.backward_ran = True
         if self._carry_sums and self.host.accumulate() > 1:
             assert self.masters is not None  # _carry_sums: there are masters
             self.masters.carry_grads_(module.parameters())
@@ -217,14 +218,15 @@ class OptimizerSteps:
         scaler = self._scaler
         if scaler is not None:
             scaler.verdicts.forget(optimizer)
-            self._batch_verdicts.append(cast("Tensor | bool", outcome.scale_verdict))
+            if self.backward_ran or not self.host.owns_accumulation:  # (else training_step returned None: as
+                self._batch_verdicts.append(cast("Tensor | bool", outcome.scale_verdict))  # GradScaler, no update)
         state.stats.record(outcome.skipped, outcome.flag)
         state.norm, state.early, state.stepped = None, False, True
         if self.host.whole_steps:
             if self.release_grads:
                 release_grads(optimizer)
             state.stage = Stage.READY
-            self.loss = self.last_loss = None
+            self.loss, self.last_loss, self.backward_ran = None, None, False
             # the batch is over, unless another optimizer's step was prepared with it (a loop that clipped both
             # first): its gradients were unscaled by this scale, so the scale moves once both have stepped
             if not any(other.stage is Stage.PREPARED for other in self._optimizers.values()):
@@ -392,9 +394,7 @@ class OptimizerSteps:
 
     def _check_divergence(self, state: OptimizerState) -> None:
         limit = self.max_consecutive_skips
-        if limit is None:
-            return
-        consecutive = state.stats.consecutive_known()
-        if consecutive is None or consecutive < limit:
+        consecutive = state.stats.consecutive_known() if limit is not None else None
+        if limit is None or consecutive is None or consecutive < limit:
             return
         raise divergence_error(self, state, (consecutive, limit), several=len(self._optimizers) > 1)
