@@ -612,6 +612,37 @@ class MasterWeights:
         self.drop_sums()
         self._layouts = weakref.WeakKeyDictionary()  # (their stand-ins, aliases and flat buffers stay where they were)
 
+    @property
+    def carrying(self) -> bool:
+        """Whether fp32 sums of earlier micro-batches may be pending."""
+        return self._carrying
+
+    def show_sums(self, params: Iterable[Tensor]) -> list[tuple[Tensor, Tensor, Tensor, int]]:
+        """For hooks that read the gradients right after a backward (``on_after_backward``): each half gradient
+        shows the window's sum so far (the fp32 sum carried plus this micro-batch's, rounded), as it would without
+        master weights. Returns what :meth:`hide_sums` puts back."""
+        shown: list[tuple[Tensor, Tensor, Tensor, int]] = []
+        with torch.no_grad():
+            for param in params:
+                grad, entry = param.grad, self._entries.get(id(param))
+                if grad is None or entry is None or entry.param is not param or entry.acc is None:
+                    continue
+                if grad.is_sparse or entry.acc.is_sparse:
+                    continue
+                total = (entry.acc + grad).to(grad.dtype)
+                param.grad = total
+                shown.append((param, grad, total, total._version))
+        return shown
+
+    def hide_sums(self, shown: list[tuple[Tensor, Tensor, Tensor, int]]) -> None:
+        """After those hooks: each half gradient is this micro-batch's own again; one a hook wrote into, replaced or
+        set to ``None`` is the window's whole sum so far (its fp32 sum dropped), as it would be without masters."""
+        for param, grad, total, version in shown:
+            if param.grad is total and total._version == version:
+                param.grad = grad
+            else:
+                self._entries[id(param)].acc = None
+
     def pending_sums(self) -> list[Tensor]:
         """The fp32 sums carried so far (to be reduced across ranks under DDP's ``no_sync``)."""
         return [e.acc for e in self._entries.values() if e.acc is not None]

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any, Callable, Optional, Union
 
 import torch
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -40,9 +41,16 @@ class StepHooks(Precision):
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        masters = self._steps.masters if self._steps is not None else None
         if self._steps is not None:
             self._steps.after_backward(module)
-        return Precision.post_backward(self, tensor, module)
+        if masters is None or not masters.carrying or not _reads_grads_after_backward(module):
+            return Precision.post_backward(self, tensor, module)  # (on_after_backward runs in there)
+        shown = masters.show_sums(module.parameters())  # the window's sum so far, as without master weights
+        try:
+            return Precision.post_backward(self, tensor, module)
+        finally:
+            masters.hide_sums(shown)
 
     @override
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:  # type: ignore[override]
@@ -92,3 +100,12 @@ class StepHooks(Precision):
     def main_params(self, optimizer: Optimizer) -> Any:
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         return self._steps.main_params(optimizer) if self._steps is not None else Precision.main_params(self, optimizer)
+
+
+def _reads_grads_after_backward(module: LightningModule) -> bool:
+    """Whether the module or a callback of its Trainer overrides ``on_after_backward``."""
+    trainer = module._trainer
+    callbacks: list = getattr(trainer, "callbacks", [])
+    return is_overridden("on_after_backward", module, LightningModule) or any(
+        is_overridden("on_after_backward", callback, Callback) for callback in callbacks
+    )

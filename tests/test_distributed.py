@@ -115,14 +115,22 @@ class AccumulationLog(Callback):
         self.last: dict = {}
         self.checks: list = []
 
+    def on_train_start(self, trainer, pl_module):
+        self.own: dict = {}  # each micro-batch's own half gradients (on_after_backward shows the window's sum)
+        for n, p in pl_module.named_parameters():
+            p.register_hook(lambda g, n=n: self.own.__setitem__(n, g.detach().clone()))
+
     def on_after_backward(self, trainer, pl_module):
         synced = trainer.strategy.model.require_backward_grad_sync
-        half = {n: p.grad.detach().float().clone() for n, p in pl_module.named_parameters() if p.grad is not None}
-        if synced:
-            self.last = half  # DDP averaged this micro-batch's half gradients
+        own, self.own = self.own, {}
+        if synced:  # DDP averages this micro-batch's half gradients (in bf16: halved, then summed)
+            for g in own.values():
+                g.div_(trainer.world_size)
+                torch.distributed.all_reduce(g)
+            self.last = {n: g.float() for n, g in own.items()}
         else:
-            for n, g in half.items():  # each no_sync micro-batch arrives alone: nothing summed in half before
-                self.local[n] = self.local[n] + g if n in self.local else g
+            for n, g in own.items():
+                self.local[n] = self.local[n] + g.float() if n in self.local else g.float()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
         masters = trainer.precision_plugin.masters

@@ -405,3 +405,33 @@ def test_several_training_loaders_train_as_lightning(mode, combined):
     if mode != "fp16":
         theirs, _, _ = loop_fit(mode, kind, lightning=True, **options)
         loop_assert_equal(mw_params(model), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
+
+
+class LoopHalvedAfterBackward(LoopHooked):
+    """LoopHooked whose ``on_after_backward`` also halves every gradient in place after reading it."""
+
+    def on_after_backward(self) -> None:
+        super().on_after_backward()
+        for p in self.parameters():
+            p.grad.mul_(0.5)
+
+
+@pytest.mark.parametrize("writes", [False, True], ids=["reads", "writes"])
+@pytest.mark.parametrize("mode, kind", [("bf16-true", None), ("bf16-true", "kahan"), ("bf16-true", "stochastic"),
+                                        ("fp16-true", None)])  # fmt: skip
+def test_on_after_backward_sees_the_accumulated_gradient_with_master_weights(mode, kind, writes):
+    """``accumulate_grad_batches=3``: in ``on_after_backward`` Lightning's ``.grad`` holds the window's sum so far
+    (every plain PyTorch loop's too). With master weights the micro-batches sum in fp32 aside; the hook still reads
+    that sum (rounded to half; scaled in fp16-true, as Lightning's 16-mixed shows it), and what it writes there is
+    the window's sum from then on (a bug before: it read, and wrote, the last micro-batch's gradient alone). The
+    weights end within rounding of Lightning's plugin of the mode without master weights."""
+    cls = LoopHalvedAfterBackward if writes else LoopHooked
+    options = dict(model_cls=cls, model_kwargs=dict(optimizer="sgd", lr=0.05), max_steps=2, accumulate_grad_batches=3)
+    scale = dict(init_scale=1.0) if mode == "fp16-true" else None
+    ours, _, plugin = loop_fit(mode, kind, plugin_kwargs=scale, **options)
+    theirs, _, _ = loop_fit(mode, "none", lightning=True, **options)
+    assert len(ours.after_backward) == len(theirs.after_backward) == 6 and plugin.stats.skipped_steps == 0
+    for mine, lightnings in zip(ours.after_backward, theirs.after_backward):
+        torch.testing.assert_close(mine, lightnings, rtol=0.03, atol=0.03)
+    for name, value in mw_params(ours).items():
+        torch.testing.assert_close(value.float(), mw_params(theirs)[name].float(), rtol=0.03, atol=0.03, msg=name)
