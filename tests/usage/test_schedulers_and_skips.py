@@ -180,3 +180,38 @@ def test_held_scheduler_with_frequency_and_epoch_plateau(mode):
     epochs, _ = ss_fit(mode, "plateau", hold=True, poisoned=SS_POISONED, **SS_SCHEDULERS["plateau-epoch"])
     unheld, _ = ss_fit(mode, "plateau", hold=False, poisoned=SS_POISONED, **SS_SCHEDULERS["plateau-epoch"])
     assert epochs.lrs == unheld.lrs and len(epochs.lrs) == 2 * SS_BATCHES
+
+
+class SsNone(SsNet):
+    """SsNet whose ``training_step`` returns ``None`` at the batches in ``none_at``."""
+
+    def __init__(self, kind: str, *, none_at=(), **kwargs) -> None:
+        super().__init__(kind, **kwargs)
+        self.none_at = set(none_at)
+
+    def training_step(self, batch, batch_idx):
+        if self.trainer.fit_loop.epoch_loop.total_batch_idx in self.none_at:
+            return None
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("mode", OPT_MODES)
+def test_a_batch_returning_none_is_not_held(mode):
+    """A batch whose ``training_step`` returns ``None`` is no skipped step: Lightning steps the scheduler after it
+    and the hold does not hold it; a user's ``lr_scheduler_step`` override is held after a skipped step alone."""
+    calls: list = []
+
+    class Overridden(SsNone):
+        def lr_scheduler_step(self, scheduler, metric):
+            calls.append(metric)
+            scheduler.step()
+
+    torch.manual_seed(0)
+    model = Overridden("lambda", lr=0.01, none_at=(3,), poisoned=(5,))
+    plugin = opt_plugin(mode, **({"master_weights": "none"} if mode.endswith("-true") else {}))
+    opt_trainer(plugin, max_steps=-1, max_epochs=1).fit(model)
+    assert plugin.stats.steps == SS_BATCHES and plugin.stats.skipped_steps == 1 and len(calls) == SS_BATCHES - 1
+    torch.manual_seed(0)
+    theirs = SsNone("lambda", lr=0.01, none_at=(3,))
+    opt_trainer(None, max_steps=-1, max_epochs=1, precision="32-true").fit(theirs)
+    assert model.lrs[:5] == theirs.lrs[:5] and model.lrs[5:] == theirs.lrs[4:-1]
