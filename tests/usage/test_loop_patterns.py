@@ -164,9 +164,10 @@ def test_training_step_returning_none_is_no_skip_and_leaves_the_scale(mode, kind
 def test_none_inside_an_accumulation_window_adds_nothing(mode, kind):
     """``accumulate_grad_batches=3``: ``None`` at the last batch of the first window and inside the second. The
     window steps with what its other batches accumulated, as Lightning's own plugins of fp32, bf16 and the true-half
-    modes do (its ``16-mixed`` instead drops a window whose last batch is ``None``: no ``GradScaler.step``; the plugin
-    follows the others), exactly as a run whose ``None`` batches add a zero loss: the fp32 gradient sums of the
-    master weights, the scale and the counters alike."""
+    modes do, and its ``16-mixed`` on a CPU (run as bf16-mixed). (Lightning's ``16-mixed`` on a GPU instead drops a
+    window whose last batch is ``None``: no ``GradScaler.step``, the gradients zeroed next; an oddity of Lightning's
+    that the plugin does not copy in fp16.) Exactly as a run whose ``None`` batches add a zero loss: the fp32 gradient
+    sums of the master weights, the scale and the counters alike."""
     model, trainer, plugin = loop_fit(mode, kind, model_kwargs=dict(none_at=(2, 4)), accumulate_grad_batches=3)
     zeroed, _, zeroed_plugin = loop_fit(mode, kind, model_kwargs=dict(zero_at=(2, 4)), accumulate_grad_batches=3)
     assert trainer.global_step == plugin.stats.steps == 3 and plugin.stats.skipped_steps == 0
