@@ -62,7 +62,8 @@ Run from the repository root::
 The runs go seed by seed (every mode at seed 0, then seed 1, ...), so a visit cut short still compares every
 mode, and ``--max-minutes N`` starts no run after N minutes. On an H200 a 2000-step run takes about 30-75 s
 (16-36 ms a step, bound by host work at this size; the kahan and stochastic masters are the slowest), so the
-default 21 modes x 3 seeds take about an hour run one at a time (``convergence_gpu.sh`` runs nine at once). On a machine that allows 10 minutes a command, run the same command several
+default 21 modes x 3 seeds take about an hour run one at a time (``convergence_gpu.sh`` runs nine at once). On a
+machine that allows 10 minutes a command, run the same command several
 times, e.g. ``timeout 560 python benchmarks/convergence.py --max-minutes 7`` (a run started before minute 7 ends
 in time, and ``timeout`` keeps the files written so far), and bring ``OUT`` back after each. Resume: the same
 command with the same ``--out`` skips the runs whose JSON exists (an ``unsupported`` one is checked again, as
