@@ -149,7 +149,11 @@ def _load_master_weights(
         held = set(masters.named_params())
         fp32_now = {n: v for n, v in fp32_values(saved, params).items() if n not in held}
         _fp32_weights_take(fp32_now, params, saved_dtype)
-        masters.load_state_dict(without_parameters(saved, set(fp32_now)))
+        # names this model no longer has (layers renamed by the module's on_load_checkpoint, or removed and loaded
+        # with strict_loading=False): Lightning loaded without them, so do the masters, whatever their kind
+        parts = [saved.get(part) for part in ("masters", "compensation")]
+        unknown = {n for part in parts if isinstance(part, dict) for n in part if n not in params} if params else set()
+        masters.load_state_dict(without_parameters(saved, set(fp32_now) | unknown))
         return
     if saved is None:
         return
