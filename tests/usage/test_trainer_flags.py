@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import importlib.util
 import math
 import warnings
 
@@ -251,8 +252,14 @@ def test_frozen_backbone_with_a_trainable_head_trains_the_head_alone(mode, kind)
         flags_assert_equal(ours, theirs, "the head trained against Lightning's")
 
 
+@pytest.mark.parametrize(
+    "device_stats",
+    [False, pytest.param(True, marks=pytest.mark.skipif(importlib.util.find_spec("psutil") is None,
+                                                        reason="DeviceStatsMonitor's CPU statistics need psutil"))],
+    ids=["lr-precision", "lr-devicestats-precision"],
+)  # fmt: skip
 @pytest.mark.parametrize("mode", ["bf16", "bf16-true"])
-def test_fast_dev_run_with_monitors_warns_nothing(mode, tmp_path):
+def test_fast_dev_run_with_monitors_warns_nothing(mode, device_stats, tmp_path):
     """``fast_dev_run`` suppresses logging (Lightning says so once): Lightning's ``LearningRateMonitor`` and
     ``DeviceStatsMonitor`` log nothing and say nothing; ``PrecisionMonitor(plot=...)`` draws nothing and says
     nothing either (it warned that no logging step ran, advising a smaller ``log_every_n_steps``)."""
@@ -262,7 +269,11 @@ def test_fast_dev_run_with_monitors_warns_nothing(mode, tmp_path):
     from lightning_mp import PrecisionMonitor
 
     plot = tmp_path / "precision.png"
-    callbacks = [LearningRateMonitor(), DeviceStatsMonitor(), PrecisionMonitor(plot=str(plot))]
+    callbacks = [
+        LearningRateMonitor(),
+        *([DeviceStatsMonitor()] if device_stats else []),
+        PrecisionMonitor(plot=str(plot)),
+    ]
     model, trainer, plugin, warned = flags_fit(mode, "ours", tmp_path, fast_dev_run=2, callbacks=callbacks,
                                                logger=CSVLogger(tmp_path))  # fmt: skip
     assert trainer.global_step == 2 and plugin.stats.steps == 2
