@@ -21,6 +21,7 @@ from typing import Any, Optional
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import CombinedLoader, grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -390,6 +391,11 @@ class LoopTwoLoaders(MwMLP):
 
 
 LOOP_LOADERS = {None: 12, "max_size_cycle": 12, "min_size": 8, "max_size": 12}  # steps over two epochs
+#: Lightning's own bf16-mixed caches autocast's weight casts (Lightning before 2.6; ours never does): a layer run twice
+#: in one step then sums its two gradients through one bf16 cast, in bf16, where ours sums two fp32 gradients
+LOOP_LIGHTNING_AUTOCAST_CACHES = bool(
+    MixedPrecision("bf16-mixed", "cpu").autocast_context_manager()._cache_enabled  # type: ignore[attr-defined]
+)
 
 
 @pytest.mark.parametrize("combined", list(LOOP_LOADERS), ids=lambda c: c or "dict")
@@ -403,6 +409,9 @@ def test_several_training_loaders_train_as_lightning(mode, combined):
     model, trainer, plugin = loop_fit(mode, kind, **options)
     assert trainer.global_step == plugin.stats.steps == LOOP_LOADERS[combined] and plugin.stats.skipped_steps == 0
     assert all(math.isfinite(loss) for loss in model.losses) and model.losses[-1] < model.losses[0]
+    if mode == "bf16" and LOOP_LIGHTNING_AUTOCAST_CACHES:
+        pytest.skip("this Lightning's bf16-mixed caches autocast's weight casts: the layer run once per loader sums "
+                    "its gradients in bf16 through one cast, not in fp32 as Lightning 2.6+ and lightning_mp do")
     if mode != "fp16":
         theirs, _, _ = loop_fit(mode, kind, lightning=True, **options)
         loop_assert_equal(mw_params(model), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
