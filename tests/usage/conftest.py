@@ -318,3 +318,26 @@ def mw_find_fp32_masters(checkpoint: dict) -> dict:
         if found is not None:
             return found
     raise AssertionError(f"no fp32 master weights found in the checkpoint (top-level keys: {sorted(checkpoint)})")
+
+
+def assert_tensors_equal(actual: dict, expected: dict, what: str) -> None:
+    """Two ``{name: tensor}`` dicts bit for bit, each tensor's dtype too; a difference names the largest gap."""
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        assert actual[name].dtype == value.dtype, f"{what}: {name} is {actual[name].dtype}, expected {value.dtype}"
+        if not torch.equal(actual[name], value):
+            diff = (actual[name].float() - value.float()).abs().max().item()
+            raise AssertionError(f"{what}: {name} differs by up to {diff:g}")
+
+
+def fabric_own(mode: str) -> Any:
+    """Fabric's own plugin of ``mode`` (fp16: GradScaler from our tests' modest scale, so both skip nothing)."""
+    from lightning.fabric.plugins import HalfPrecision, MixedPrecision, Precision
+
+    return {
+        "fp32": lambda: Precision(),
+        "bf16": lambda: MixedPrecision("bf16-mixed", "cpu"),
+        "fp16": lambda: MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8)),
+        "bf16-true": lambda: HalfPrecision("bf16-true"),
+        "fp16-true": lambda: HalfPrecision("16-true"),
+    }[mode]()

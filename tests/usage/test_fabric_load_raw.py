@@ -22,10 +22,12 @@ from typing import Any, Optional
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.plugins import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins import HalfPrecision, Precision
 from torch import nn
 
 from lightning_mp import MPFabricPrecision
+
+from .conftest import fabric_own
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
@@ -161,13 +163,7 @@ def test_the_fp32_masters_take_the_loaded_fp32_values(mode, pretrained):
 def test_load_raw_as_fabrics_own_plugin(mode, pretrained):
     """Our plugin set up as Fabric's own of the mode (no master weights in true-half modes, Fabric's 16-true scales no
     loss, the FP32 guards' LayerNorm-free model): the same weights after ``load_raw`` and two steps, bit for bit."""
-    own = {
-        "fp32": lambda: Precision(),
-        "bf16": lambda: MixedPrecision("bf16-mixed", "cpu"),
-        "fp16": lambda: MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8)),
-        "bf16-true": lambda: HalfPrecision("bf16-true"),
-        "fp16-true": lambda: HalfPrecision("16-true"),
-    }[mode]()
+    own = fabric_own(mode)
     as_own = {"bf16-true": {"master_weights": "none"}, "fp16-true": {"master_weights": "none", "loss_scale": 1.0}}
     results = []
     for plugin in (own, raw_plugin(mode, **as_own.get(mode, {}))):

@@ -19,11 +19,13 @@ from typing import Any, Optional
 import pytest
 import torch
 from lightning.fabric import Fabric
-from lightning.fabric.plugins import HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins import Precision
 from lightning.pytorch import LightningModule
 from torch import nn
 
 from lightning_mp import MPFabricPrecision
+
+from .conftest import fabric_own
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers"),
@@ -66,15 +68,6 @@ NO_MIXED_DTYPE_MSE_BACKWARD = ("this torch's mse_loss cannot backpropagate a hal
                                "(pytorch#36553), with Fabric's own plugin as with ours")
 
 
-def fabric_own(mode: str) -> Precision:
-    """Fabric's own plugin of ``mode`` (fp16: GradScaler from our tests' modest scale, so both skip nothing)."""
-    return {
-        "fp32": lambda: Precision(),
-        "bf16": lambda: MixedPrecision("bf16-mixed", "cpu"),
-        "fp16": lambda: MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8)),
-        "bf16-true": lambda: HalfPrecision("bf16-true"),
-        "fp16-true": lambda: HalfPrecision("16-true"),
-    }[mode]()
 
 
 def ours(mode: str, kind: Optional[str] = None, **kwargs: Any) -> MPFabricPrecision:

@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from .conftest import (
-    OPT_MODES, MwMLP, mw_params, mw_regression_data, opt_assert_nested_equal, opt_plugin, opt_trainer,
+    OPT_MODES, MwMLP, assert_tensors_equal, mw_params, mw_regression_data, opt_assert_nested_equal, opt_plugin,
+    opt_trainer,
 )
 
 pytestmark = pytest.mark.filterwarnings(
@@ -58,13 +59,6 @@ def loop_same_as_lightning(mode: str) -> Optional[dict]:
     return {"master_weights": "none"} if mode.endswith("-true") else {}
 
 
-def loop_assert_equal(actual: dict, expected: dict, what: str) -> None:
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        assert actual[name].dtype == value.dtype, f"{what}: {name} is {actual[name].dtype}, expected {value.dtype}"
-        if not torch.equal(actual[name], value):
-            diff = (actual[name].float() - value.float()).abs().max().item()
-            raise AssertionError(f"{what}: {name} differs by up to {diff:g}")
 
 
 def loop_scale(plugin) -> Optional[float]:
@@ -141,7 +135,7 @@ def test_training_step_returning_none_is_no_skip_and_leaves_the_scale(mode, kind
     assert trainer.global_step == plugin.stats.steps == 8
     assert plugin.stats.skipped_steps == dropped_plugin.stats.skipped_steps == 0
     assert len(model.losses) == 6 and all(math.isfinite(loss) for loss in model.losses)
-    loop_assert_equal(mw_params(model), mw_params(dropped), "None batches against the data without them")
+    assert_tensors_equal(mw_params(model), mw_params(dropped), "None batches against the data without them")
     masters = plugin.state_dict().get("master_weights")
     if masters is not None:  # fp32 masters, Kahan compensations, the rounding noise's generators
         opt_assert_nested_equal(masters, dropped_plugin.state_dict()["master_weights"], "master weights")
@@ -154,7 +148,7 @@ def test_training_step_returning_none_is_no_skip_and_leaves_the_scale(mode, kind
         ours, our_trainer, _ = loop_fit(mode, same, model_kwargs=dict(none_at=(1, 4), as_dict=True))
         theirs, their_trainer, _ = loop_fit(mode, same, lightning=True, model_kwargs=dict(none_at=(1, 4), as_dict=True))
         assert our_trainer.global_step == their_trainer.global_step
-        loop_assert_equal(mw_params(ours), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
+        assert_tensors_equal(mw_params(ours), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
     if mode.startswith("fp16"):  # a whole window of None (accumulate_grad_batches=2): no scale update either
         windowed, _, windowed_plugin = loop_fit(mode, kind, model_kwargs=dict(none_at=(2, 3)),
                                                 accumulate_grad_batches=2)  # fmt: skip
@@ -172,7 +166,7 @@ def test_none_inside_an_accumulation_window_adds_nothing(mode, kind):
     model, trainer, plugin = loop_fit(mode, kind, model_kwargs=dict(none_at=(2, 4)), accumulate_grad_batches=3)
     zeroed, _, zeroed_plugin = loop_fit(mode, kind, model_kwargs=dict(zero_at=(2, 4)), accumulate_grad_batches=3)
     assert trainer.global_step == plugin.stats.steps == 3 and plugin.stats.skipped_steps == 0
-    loop_assert_equal(mw_params(model), mw_params(zeroed), "None batches against zero losses")
+    assert_tensors_equal(mw_params(model), mw_params(zeroed), "None batches against zero losses")
     assert model.scales == zeroed.scales
     masters = plugin.state_dict().get("master_weights")
     if masters is not None:
@@ -183,7 +177,7 @@ def test_none_inside_an_accumulation_window_adds_nothing(mode, kind):
         ours, _, _ = loop_fit(mode, same, model_kwargs=dict(none_at=(2, 4)), accumulate_grad_batches=3)
         theirs, _, _ = loop_fit(mode, same, lightning=True, model_kwargs=dict(none_at=(2, 4)),
                                 accumulate_grad_batches=3)  # fmt: skip
-        loop_assert_equal(mw_params(ours), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
+        assert_tensors_equal(mw_params(ours), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
 
 
 # ================================================================================================================
@@ -200,7 +194,7 @@ def test_short_last_accumulation_window_steps_as_lightning(mode, kind):
     if reference is not None and kind == ("none" if mode.endswith("-true") else None):
         theirs, their_trainer, _ = loop_fit(mode, kind, lightning=True, accumulate_grad_batches=3, max_epochs=2)
         assert their_trainer.global_step == 6
-        loop_assert_equal(mw_params(model), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
+        assert_tensors_equal(mw_params(model), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
         return
     fp32, _, _ = loop_fit("fp32", lightning=True, model_kwargs=dict(optimizer=loop_optimizer(mode, kind)),
                           accumulate_grad_batches=3, max_epochs=2)  # fmt: skip
@@ -245,7 +239,7 @@ def test_mid_epoch_validation_leaves_training_untouched(mode, kind):
     model, trainer, plugin = loop_fit(mode, kind, model_cls=LoopValidated, max_epochs=2, **LOOP_VALIDATION)
     plain, _, plain_plugin = loop_fit(mode, kind, model_cls=LoopValidated, max_epochs=2)
     assert len(model.validated) == 2 + 4 * 2 and not plain.validated
-    loop_assert_equal(mw_params(model), mw_params(plain), "with validation against without")
+    assert_tensors_equal(mw_params(model), mw_params(plain), "with validation against without")
     assert model.losses == plain.losses and model.scales == plain.scales
     masters = plugin.state_dict().get("master_weights")
     if masters is not None:
@@ -310,7 +304,7 @@ def test_grad_norm_logged_before_the_step_is_lightnings(mode):
     assert trainer.callback_metrics["grad_2.0_norm_total"] == pytest.approx(theirs.norms[-1]["grad_2.0_norm_total"])
     if mode != "fp16-true":  # (Lightning's 16-true has no loss scale: its .grad after backward is unscaled)
         assert all(torch.equal(a, b) for a, b in zip(ours.after_backward, theirs.after_backward))
-    loop_assert_equal(mw_params(ours), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
+    assert_tensors_equal(mw_params(ours), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
     assert plugin.stats.skipped_steps == 0
     if mode.endswith("-true"):
         masters, _, _ = loop_fit(mode, **options)
@@ -360,7 +354,7 @@ def test_mid_epoch_checkpoint_resumes_bit_for_bit(mode, kind, tmp_path):
     trainer.fit(resumed, ckpt_path=tmp_path / "step=5.ckpt")
     assert plugin.stats.steps == whole_plugin.stats.steps == trainer.global_step == 12
     assert plugin.stats.skipped_steps == whole_plugin.stats.skipped_steps == 2
-    loop_assert_equal(mw_params(resumed), mw_params(whole), "resumed against uninterrupted")
+    assert_tensors_equal(mw_params(resumed), mw_params(whole), "resumed against uninterrupted")
     assert resumed.losses == whole.losses[5:] and resumed.scales == whole.scales[5:]
     assert trainer.optimizers[0].param_groups[0]["lr"] == whole.trainer.optimizers[0].param_groups[0]["lr"]
     opt_assert_nested_equal(plugin.state_dict(), whole_plugin.state_dict(), "the plugin's state")
@@ -414,7 +408,7 @@ def test_several_training_loaders_train_as_lightning(mode, combined):
                     "its gradients in bf16 through one cast, not in fp32 as Lightning 2.6+ and lightning_mp do")
     if mode != "fp16":
         theirs, _, _ = loop_fit(mode, kind, lightning=True, **options)
-        loop_assert_equal(mw_params(model), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
+        assert_tensors_equal(mw_params(model), mw_params(theirs), f"against Lightning's {LOOP_LIGHTNING[mode]}")
 
 
 class LoopHalvedAfterBackward(LoopHooked):

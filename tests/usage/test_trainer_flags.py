@@ -21,7 +21,10 @@ from lightning.pytorch.callbacks import DeviceStatsMonitor
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
 
-from .conftest import OPT_MODES, MwMLP, mw_params, mw_regression_data, opt_assert_nested_equal, opt_plugin, opt_trainer
+from .conftest import (
+    assert_tensors_equal, OPT_MODES, MwMLP, mw_params, mw_regression_data,
+    opt_assert_nested_equal, opt_plugin, opt_trainer,
+)
 
 FLAGS_LIGHTNING = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true",
                    "fp16-true": "16-true"}  # fmt: skip
@@ -72,13 +75,6 @@ def flags_fit(mode: str, who: str, tmp_path, model=None, **trainer_kwargs):
     return model, trainer, plugin, flags_warnings(caught)
 
 
-def flags_assert_equal(actual: dict, expected: dict, what: str) -> None:
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        assert actual[name].dtype == value.dtype, f"{what}: {name} is {actual[name].dtype}, expected {value.dtype}"
-        if not torch.equal(actual[name], value):
-            diff = (actual[name].float() - value.float()).abs().max().item()
-            raise AssertionError(f"{what}: {name} differs by up to {diff:g}")
 
 
 # ================================================================================================================
@@ -109,7 +105,7 @@ def test_debug_flags_run_the_steps_lightnings_plugin_runs(mode, flag, tmp_path):
         assert ours.losses[-1] < ours.losses[0] and ours.losses[-2] < ours.losses[1]
     if mode in FLAGS_EXACT:
         same = flags_fit(mode, "ours-none", tmp_path, **FLAGS_RUNS[flag])[0] if mode.endswith("-true") else ours
-        flags_assert_equal(mw_params(same), mw_params(theirs), f"{flag}: weights against Lightning's {mode}")
+        assert_tensors_equal(mw_params(same), mw_params(theirs), f"{flag}: weights against Lightning's {mode}")
         assert same.losses == theirs.losses
 
 
@@ -176,7 +172,7 @@ def test_freeze_predict_unfreeze_between_fits_changes_nothing(mode, kind, tmp_pa
         trainer.fit(model)
         assert plugin.stats.steps == 8
         results[pause] = mw_params(model)
-    flags_assert_equal(results[True], results[False], "fit, freeze/predict/unfreeze, fit against fit, fit")
+    assert_tensors_equal(results[True], results[False], "fit, freeze/predict/unfreeze, fit against fit, fit")
 
 
 @pytest.mark.parametrize("mode", OPT_MODES)
@@ -249,7 +245,7 @@ def test_frozen_backbone_with_a_trainable_head_trains_the_head_alone(mode, kind)
     assert warned <= their_warned, f"warnings Lightning's own plugin does not give: {warned - their_warned}"
     assert plugin.stats.steps == 4 and plugin.stats.skipped_steps == 0
     if mode in FLAGS_EXACT and (kind == "none" or not mode.endswith("-true")):
-        flags_assert_equal(ours, theirs, "the head trained against Lightning's")
+        assert_tensors_equal(ours, theirs, "the head trained against Lightning's")
 
 
 @pytest.mark.parametrize(

@@ -16,12 +16,11 @@ import warnings
 
 import lightning
 import pytest
-import torch
 from lightning.pytorch.callbacks import BatchSizeFinder, LearningRateFinder
 from lightning.pytorch.tuner import Tuner
 from packaging.version import Version
 
-from .conftest import OPT_MODES, MwMLP, mw_params, opt_plugin, opt_trainer
+from .conftest import assert_tensors_equal, OPT_MODES, MwMLP, mw_params, opt_plugin, opt_trainer
 
 #: Lightning's own plugin of each mode (on the CPU Lightning runs "16-mixed" as bf16-mixed, with a warning)
 TUNER_LIGHTNING = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed", "bf16-true": "bf16-true",
@@ -62,13 +61,6 @@ def tuner_trainer(tmp_path, plugin=None, **kwargs):
     return opt_trainer(plugin, default_root_dir=tmp_path, **kwargs)
 
 
-def tuner_assert_equal(actual: dict, expected: dict, what: str) -> None:
-    assert actual.keys() == expected.keys()
-    for name, value in expected.items():
-        assert actual[name].dtype == value.dtype, f"{what}: {name} is {actual[name].dtype}, expected {value.dtype}"
-        if not torch.equal(actual[name], value):
-            diff = (actual[name].float() - value.float()).abs().max().item()
-            raise AssertionError(f"{what}: {name} differs by up to {diff:g}")
 
 
 def tuner_warnings(caught) -> set[str]:
@@ -125,9 +117,9 @@ def test_lr_find_suggests_what_lightnings_own_plugin_suggests(mode, tmp_path):
     # the same search over the same losses (mixed modes round alike; fp16 on a CPU is bf16 in Lightning's plugin)
     assert abs(math.log10(ours[0] / theirs[0])) <= 0.5, f"suggested lr {ours[0]:g}, Lightning's {theirs[0]:g}"
     # the model is as before the search: its start (mixed modes), the start cast to half as Lightning's (true half)
-    tuner_assert_equal(ours[1], theirs[1], "weights after lr_find against Lightning's plugin")
+    assert_tensors_equal(ours[1], theirs[1], "weights after lr_find against Lightning's plugin")
     if mode in ("fp32", "bf16", "fp16"):
-        tuner_assert_equal(ours[1], ours[3], "weights after lr_find against the start")
+        assert_tensors_equal(ours[1], ours[3], "weights after lr_find against the start")
     assert ours[2] <= theirs[2], f"warnings Lightning's own plugin does not give: {ours[2] - theirs[2]}"
 
 
@@ -164,7 +156,7 @@ def test_fit_after_lr_find_trains_as_a_fresh_fit_at_the_suggested_lr(mode, optio
     tuner_trainer(tmp_path, fresh_plugin, max_steps=6).fit(fresh)
     assert model.losses[-6:] == fresh.losses
     assert fresh.losses[-1] < fresh.losses[0]
-    tuner_assert_equal(mw_params(model), mw_params(fresh), f"{how} then fit, against a fresh fit")
+    assert_tensors_equal(mw_params(model), mw_params(fresh), f"{how} then fit, against a fresh fit")
     assert plugin.stats.as_dict() == fresh_plugin.stats.as_dict()
 
 
@@ -187,7 +179,7 @@ def test_lr_find_overflowing_trial_steps_leave_no_trace(mode, tmp_path):
     assert plugin.stats.skipped_steps == 0 and plugin.stats.steps == 4
     fresh_plugin = opt_plugin(mode)
     tuner_trainer(tmp_path, fresh_plugin, max_steps=4).fit(fresh)
-    tuner_assert_equal(mw_params(model), mw_params(fresh), "lr_find then fit, against a fresh fit")
+    assert_tensors_equal(mw_params(model), mw_params(fresh), "lr_find then fit, against a fresh fit")
     assert plugin.stats.as_dict() == fresh_plugin.stats.as_dict()
 
 
@@ -214,7 +206,7 @@ def test_lr_find_between_two_fits_leaves_the_run_as_it_was(mode, options, tmp_pa
         trainer.fit_loop.epoch_loop.max_steps = 8
         trainer.fit(model)
         results[search] = (mw_params(model), plugin.stats.as_dict())
-    tuner_assert_equal(results[True][0], results[False][0], "fit, lr_find, fit against fit, fit")
+    assert_tensors_equal(results[True][0], results[False][0], "fit, lr_find, fit against fit, fit")
     assert results[True][1] == results[False][1]
 
 
@@ -254,13 +246,13 @@ def test_scale_batch_size_finds_lightnings_size_and_the_fit_after_is_a_fresh_fit
         )
     assert found == theirs == model.batch_size == BATCH_FOUND
     assert ours_warned <= tuner_warnings(caught), f"warnings Lightning's plugin does not give: {ours_warned}"
-    tuner_assert_equal(mw_params(model), mw_params(reference), "weights after the search, against Lightning's")
+    assert_tensors_equal(mw_params(model), mw_params(reference), "weights after the search, against Lightning's")
 
     trainer.fit(model)
     fresh.batch_size = found
     fresh_plugin = opt_plugin(mode, **options)
     tuner_trainer(tmp_path, fresh_plugin, max_steps=4).fit(fresh)
-    tuner_assert_equal(mw_params(model), mw_params(fresh), "scale_batch_size then fit, against a fresh fit")
+    assert_tensors_equal(mw_params(model), mw_params(fresh), "scale_batch_size then fit, against a fresh fit")
     assert plugin.stats.as_dict() == fresh_plugin.stats.as_dict()
 
 
@@ -275,5 +267,5 @@ def test_batch_size_finder_callback_then_fit_is_a_fresh_fit(mode, options, tmp_p
     fresh.batch_size = BATCH_FOUND
     fresh_plugin = opt_plugin(mode, **options)
     tuner_trainer(tmp_path, fresh_plugin, max_steps=4).fit(fresh)
-    tuner_assert_equal(mw_params(model), mw_params(fresh), "BatchSizeFinder's fit against a fresh fit")
+    assert_tensors_equal(mw_params(model), mw_params(fresh), "BatchSizeFinder's fit against a fresh fit")
     assert plugin.stats.as_dict() == fresh_plugin.stats.as_dict()
