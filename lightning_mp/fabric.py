@@ -93,9 +93,7 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         #: a loaded checkpoint's (mode, master weights), applied at the next step: once fabric.load has loaded the
         #: model whatever the order of its state dict, and the optimizers are known
         self._pending: Optional[tuple[Any, Any]] = None
-        self._loads: list[tuple[Tensor, Tensor]] = []  # fp32 values of half weights a state dict is loading
-        #: fp32 values of half weights a state dict loaded (by parameter id: the parameter, the value, its stamp then)
-        self._loaded_values: dict[int, tuple[Tensor, Tensor, tuple[int, int]]] = {}
+        self._loads = LoadedValues(self._follows_loads)  # fp32 values of half weights state dicts loaded
 
     # ------------------------------------------------------------------ set-up
     @override
@@ -139,52 +137,12 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
                           cast_weights_(module, self.mode, guarded))  # fmt: skip
 
     def _follow_loads(self, module: nn.Module) -> None:
-        """A state dict loaded into the set-up model (``fabric.load_raw(path, model)``, ``model.load_state_dict``)
-        with fp32 values of half weights: the master weights take those values exactly, as they would from the same
-        weights set up fresh (the half weights hold them rounded). Where no master is made yet, the one made at the
-        first step starts from them."""
-        pre = module.register_load_state_dict_pre_hook(_LoadHook(self, after=False))
-        post = module.register_load_state_dict_post_hook(_LoadHook(self, after=True))
-        self._patches.add(f"fp32 values of state dicts loaded into {type(module).__name__}",
-                          lambda: (pre.remove(), post.remove()))  # fmt: skip
+        """State dicts loaded into the set-up model hand the masters their fp32 values (:class:`LoadedValues`)."""
+        self._patches.add(f"fp32 values of state dicts loaded into {type(module).__name__}", self._loads.watch(module))
 
-    def _loading(self, module: nn.Module, state_dict: Any, prefix: str) -> None:
+    def _follows_loads(self) -> bool:
         kind = MasterKind.of(self.master_weights)
-        if kind is None or not kind.ours:
-            return
-        for name, param in module.named_parameters():
-            value = state_dict.get(prefix + name)
-            if (isinstance(value, Tensor) and value.is_floating_point() and param.dtype in _HALF
-                    and value.dtype.itemsize > param.dtype.itemsize and value.shape == param.shape):
-                self._loads.append((param, value))
-
-    def _loaded(self) -> None:
-        """After the load: the fp32 values of the weights it wrote wait for the next step (or save), where they are
-        taken if the weights still hold them (a weight written since, e.g. evaluation weights swapped back in with
-        the saved half weights, keeps its master as it was)."""
-        taken, self._loads = self._loads, []
-        with torch.no_grad():
-            for param, value in taken:
-                value = value.detach().to(param.device, torch.float32)
-                if bool(value.to(param.dtype).eq(param).all()):  # (else not written by this load)
-                    self._loaded_values[id(param)] = (param, value, stamp(param))
-
-    def _take_loaded(self) -> None:
-        """The masters take the fp32 values a load wrote (:meth:`_loaded`); a weight without a master yet keeps its
-        value for the master made at its first step."""
-        pending, self._loaded_values = self._loaded_values, {}
-        masters = self.masters
-        names = {} if masters is None else {id(p): n for n, p in masters.named_params().items()}
-        values: dict[str, Tensor] = {}  # by the masters' names: their entries take them in one call
-        for param, value, written in pending.values():
-            if stamp(param) != written:
-                continue  # (written since: the masters follow the weight as they do any write)
-            if id(param) in names:
-                values[names[id(param)]] = value
-            else:
-                _FP32_ORIGINALS[param] = (value, written)  # (the master made at the first step)
-        if masters is not None and values:
-            masters.load_fp32_values(values)
+        return kind is not None and kind.ours
 
     def _connected(self, optimizers: Sequence[Optimizer] = ()) -> OptimizerSteps:
         """The run's step, set up at the first contact after ``fabric.setup``, on the parameters' device, with the
@@ -369,8 +327,8 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
     def _before_step(self, optimizer: Optimizer) -> OptimizerSteps:
         steps = self._connected()
         self._join(optimizer)
-        if self._loaded_values:
-            self._take_loaded()
+        if self._loads.pending:
+            self._loads.take(self.masters)
         if self._pending is not None:
             self._load_pending()
         return steps
@@ -421,8 +379,8 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
     @override
     def state_dict(self) -> dict[str, Any]:
         """The loss scale, the step counters, the master weights (``fabric.save(path, {..., "precision": plugin})``)."""
-        if self._loaded_values:
-            self._take_loaded()
+        if self._loads.pending:
+            self._loads.take(self.masters)
         if self._pending is not None and self._container is not None:
             self._connected()
             self._load_pending()
@@ -508,24 +466,82 @@ class MPFabricPrecision(PrecisionRun, MixedPrecision):  # type: ignore[misc, ove
         finally:
             self._steps = None
             self._modules, self._container, self._optimizers = [], None, []
-            self._loads, self._loaded_values = [], {}
+            self._loads.clear()
             self._guarded.clear()
             self._patches.undo_all()
 
 
-class _LoadHook:
-    """A load-state-dict hook on a set-up model (:meth:`MPFabricPrecision._follow_loads`), before or after the load.
-    A copy of the model (pickled, deep-copied mid-run) is not the run's: its copy of the hook does nothing."""
+class LoadedValues:
+    """A state dict loaded into a set-up model (``fabric.load_raw(path, model)``, ``model.load_state_dict``) with fp32
+    values of half weights: the master weights take those values exactly, as they would from the same weights set up
+    fresh (the half weights hold them rounded). Where no master is made yet, the one made at the first step starts
+    from them. ``follows``: whether the run's master weights are lightning_mp's (asked at each load)."""
 
-    def __init__(self, plugin: MPFabricPrecision, after: bool) -> None:
-        self._plugin, self._after = weakref.ref(plugin), after
+    def __init__(self, follows: Callable[[], bool]) -> None:
+        self._follows = follows
+        self._loading: list[tuple[Tensor, Tensor]] = []  # (parameter, value) of the load under way
+        #: by parameter id: the parameter, its loaded fp32 value, its stamp then
+        self.pending: dict[int, tuple[Tensor, Tensor, tuple[int, int]]] = {}
+
+    def watch(self, module: nn.Module) -> Callable[[], Any]:
+        """Follow the loads into ``module``; returns what stops it."""
+        pre = module.register_load_state_dict_pre_hook(_LoadHook(self, after=False))
+        post = module.register_load_state_dict_post_hook(_LoadHook(self, after=True))
+        return lambda: (pre.remove(), post.remove())
+
+    def loading(self, module: nn.Module, state_dict: Any, prefix: str) -> None:
+        if not self._follows():
+            return
+        for name, param in module.named_parameters():
+            value = state_dict.get(prefix + name)
+            if (isinstance(value, Tensor) and value.is_floating_point() and param.dtype in _HALF
+                    and value.dtype.itemsize > param.dtype.itemsize and value.shape == param.shape):
+                self._loading.append((param, value))
+
+    def loaded(self) -> None:
+        """After the load: the fp32 values of the weights it wrote wait for the next step (or save), where they are
+        taken if the weights still hold them (a weight written since, e.g. evaluation weights swapped back in with
+        the saved half weights, keeps its master as it was)."""
+        taken, self._loading = self._loading, []
+        with torch.no_grad():
+            for param, value in taken:
+                value = value.detach().to(param.device, torch.float32)
+                if bool(value.to(param.dtype).eq(param).all()):  # (else not written by this load)
+                    self.pending[id(param)] = (param, value, stamp(param))
+
+    def take(self, masters: Any) -> None:
+        """``masters`` take the fp32 values loads wrote (:meth:`loaded`); a weight without a master yet keeps its
+        value for the master made at its first step."""
+        pending, self.pending = self.pending, {}
+        names = {} if masters is None else {id(p): n for n, p in masters.named_params().items()}
+        values: dict[str, Tensor] = {}  # by the masters' names: their entries take them in one call
+        for param, value, written in pending.values():
+            if stamp(param) != written:
+                continue  # (written since: the masters follow the weight as they do any write)
+            if id(param) in names:
+                values[names[id(param)]] = value
+            else:
+                _FP32_ORIGINALS[param] = (value, written)  # (the master made at the first step)
+        if masters is not None and values:
+            masters.load_fp32_values(values)
+
+    def clear(self) -> None:
+        self._loading, self.pending = [], {}
+
+
+class _LoadHook:
+    """A load-state-dict hook on a set-up model (:meth:`LoadedValues.watch`), before or after the load. A copy of the
+    model (pickled, deep-copied mid-run) is not the run's: its copy of the hook does nothing."""
+
+    def __init__(self, loads: LoadedValues, after: bool) -> None:
+        self._loads, self._after = weakref.ref(loads), after
 
     def __call__(self, module: nn.Module, *args: Any) -> None:
-        plugin = self._plugin()
-        if plugin is not None and self._after:
-            plugin._loaded()
-        elif plugin is not None:
-            plugin._loading(module, args[0], args[1])  # (the state dict, the prefix)
+        loads = self._loads()
+        if loads is not None and self._after:
+            loads.loaded()
+        elif loads is not None:
+            loads.loading(module, args[0], args[1])  # (the state dict, the prefix)
 
     def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
         return _inert_load_hook, ()
